@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
-export TRITON_INTERPRET ?= 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
@@ -28,10 +27,10 @@ prometheus:
 	  fi; }
 
 test: setup prometheus
-	$(PY) -m pytest -q -ra
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
 
 test-fast: setup
-	$(PY) -m pytest -q -ra -m "not slow and not e2e"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -m "not slow and not e2e"
 
 demo: setup prometheus
 	$(VENV)/bin/graft demo

@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--pause", default="8s", help="pause per step (the CRD default is 5m/10m)")
     d.add_argument("--interval", default="2s", help="analysis interval")
     d.add_argument("--pods", type=int, default=3)
+    d.add_argument("--rate", type=float, default=3.0, help="client requests per second")
+    d.add_argument("--warmup", type=float, default=15.0, help="seconds of traffic before the first rollout")
+    d.add_argument("--latency-max", type=float, default=3.0, help="p99 threshold in seconds (CPU fleet)")
+    d.add_argument("--timeout", type=float, default=240.0, help="seconds a rollout may take")
+    d.add_argument("--workdir", default=".graft-demo", help="logs of the pods, the operator and Prometheus")
     d.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("patch", help="patch bundles: pack, sign, verify")

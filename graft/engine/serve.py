@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 from dataclasses import dataclass, field
 
@@ -43,6 +44,17 @@ class ServeOptions:
     served_model_name: str | None = None
 
 
+def served_name(model: str | None) -> str:
+    """`SmolLM2-135M-Instruct` for `.../SmolLM2-135M-Instruct.Q4_1.gguf`; a folder's own name otherwise."""
+    from pathlib import Path
+
+    from graft.engine.loader import default_model_path
+    path = Path(model or default_model_path())
+    if path.suffix == ".gguf":
+        return re.sub(r"[.-](Q\d\w*|F16|F32|BF16)$", "", path.stem, flags=re.IGNORECASE)
+    return path.name
+
+
 def load_admin_token() -> str | None:
     """The admin token from GRAFT_ADMIN_TOKEN, or from the file GRAFT_ADMIN_TOKEN_FILE names."""
     path = os.environ.get("GRAFT_ADMIN_TOKEN_FILE")
@@ -62,7 +74,7 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> None:
                          "or pass --admin-insecure to run it without one")
     engine = await asyncio.to_thread(LLMEngine, config)
     engine.start()
-    model_name = opts.served_model_name or engine.model_config.name
+    model_name = opts.served_model_name or served_name(config.model)
     apps = [(build_app(engine, model_name), opts.host, opts.port)]
     if opts.admin_port is not None:
         from graft.engine.admin import build_admin_app

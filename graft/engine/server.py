@@ -104,6 +104,7 @@ def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         if first.get("type") == "json_invalid":
             msg = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip()
+            loc = ""
         else:
             msg = f"{loc}: {first.get('msg', 'invalid value')}" if loc else first.get("msg", "invalid request")
         return JSONResponse(error_body(msg, param=loc or None), status_code=400)

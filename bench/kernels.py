@@ -1,0 +1,286 @@
+"""GPU micro-benchmark: each Graft kernel against its torch twin, on SmolLM2-135M shapes.
+
+    .venv/bin/python bench/kernels.py --out results.json [--quick] [--budget-s 100]
+
+Shapes: 9 query heads, 3 KV heads, head dim 64, 64-token cache blocks; batches 1..64, contexts
+128..4096, fp16 and bf16. Every case first checks the kernel against its twin (the twin computes
+in fp32; the error is relative, |a - b| / (1 + |b|)), then times both with CUDA events over as many
+repetitions as fit a short per-case budget (kernels get context lengths as device tensors, as
+under CUDA graphs; the twins get lists). Prints one table per kernel and writes every number to
+the JSON file named by --out. Exits 2 without CUDA, 1 when any case errs or disagrees, else 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+N_HEADS, N_KV, HEAD_DIM, BLOCK = 9, 3, 64, 64
+SCALE = HEAD_DIM**-0.5
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+TOLERANCE = {"fp16": 5e-3, "bf16": 3e-2}
+Timer = Callable[[Callable[[], object], float], float]
+
+
+@dataclass(slots=True)
+class Case:
+    kernel: str           # "decode", "prefill.paged", "prefill.slot", "kv.store"
+    dtype: str
+    batch: int            # sequences; for kv.store, tokens stored
+    context: int          # cached tokens per sequence before this step
+    new_tokens: int       # new tokens per sequence in this step
+
+
+@dataclass(slots=True)
+class Result:
+    kernel: str
+    dtype: str
+    batch: int
+    context: int
+    new_tokens: int
+    triton_ms: float | None = None
+    torch_ms: float | None = None
+    speedup: float | None = None
+    throughput: float | None = None
+    unit: str = ""
+    max_err: float | None = None
+    tolerance: float = 0.0
+    ok: bool = False
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One case ready to run: both implementations, how to read their answers, the work done."""
+
+    run_triton: Callable[[], object]
+    run_torch: Callable[[], object]
+    answers: Callable[[], tuple[torch.Tensor, torch.Tensor]]    # (triton's, the twin's)
+    work: float                                                 # bytes or flops per call
+    unit: str                                                   # "GB/s" or "TFLOP/s"
+
+
+def cases(quick: bool) -> list[Case]:
+    batches = [1, 64] if quick else [1, 8, 32, 64]
+    contexts = [128, 4096] if quick else [128, 512, 1024, 4096]
+    prefills = [(1, 0, 1024), (1, 3584, 512), (64, 0, 128)] if quick else [
+        (1, 0, 128), (1, 0, 1024), (1, 0, 4096), (8, 0, 512),
+        (64, 0, 128), (1, 3584, 512), (16, 1024, 256), (4, 2048, 2048),
+    ]
+    slot_prefills = [(3584, 512)] if quick else [(0, 512), (0, 2048), (3584, 512)]
+    stores = [1, 4096] if quick else [1, 64, 512, 4096]
+    out: list[Case] = []
+    for dtype in DTYPES:
+        out += [Case("decode", dtype, b, c - 1, 1) for b in batches for c in contexts]
+        out += [Case("prefill.paged", dtype, b, prior, new) for b, prior, new in prefills]
+        out += [Case("prefill.slot", dtype, 1, prior, new) for prior, new in slot_prefills]
+        out += [Case("kv.store", dtype, t, 0, 1) for t in stores]
+    return out
+
+
+def paged_cache(batch: int, tokens: int, dtype: torch.dtype, device: torch.device):
+    """A cache holding `tokens` tokens per sequence in shuffled blocks, plus one spare block."""
+    per_seq = math.ceil(tokens / BLOCK)
+    num_blocks = batch * per_seq + 1
+    shape = (num_blocks, BLOCK, N_KV, HEAD_DIM)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    tables = torch.randperm(num_blocks, device=device)[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+    return k_cache, v_cache, tables
+
+
+def prepare(case: Case, device: torch.device) -> Prepared:
+    from graft.kernels import reference
+    from graft.kernels.kv_store import store_kv
+    from graft.kernels.paged_decode import paged_decode_attention
+    from graft.kernels.prefill import paged_prefill_attention, prefill_attention
+
+    dtype = DTYPES[case.dtype]
+    size = torch.finfo(dtype).bits // 8
+    b, prior, new = case.batch, case.context, case.new_tokens
+    total = prior + new
+    if case.kernel == "decode":
+        k_cache, v_cache, tables = paged_cache(b, total, dtype, device)
+        q = torch.randn(b, N_HEADS, HEAD_DIM, dtype=dtype, device=device)
+        lens = [total] * b
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+        got = lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens_t, SCALE)
+        want = lambda: reference.decode_attention(q, k_cache, v_cache, tables, lens, SCALE)
+        return Prepared(got, want, lambda: (got(), want()), 2 * b * total * N_KV * HEAD_DIM * size, "GB/s")
+    if case.kernel == "prefill.paged":
+        k_cache, v_cache, tables = paged_cache(b, total, dtype, device)
+        q = torch.randn(b * new, N_HEADS, HEAD_DIM, dtype=dtype, device=device)
+        cu = torch.arange(0, b * new + 1, new, dtype=torch.int32, device=device)
+        lens = [total] * b
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+        got = lambda: paged_prefill_attention(q, k_cache, v_cache, cu, lens_t, tables, SCALE, max_query_len=new)
+        want = lambda: reference.paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, SCALE)
+        return Prepared(got, want, lambda: (got(), want()), b * _causal_flops(prior, new), "TFLOP/s")
+    if case.kernel == "prefill.slot":
+        q = torch.randn(new, N_HEADS, HEAD_DIM, dtype=dtype, device=device)
+        k = torch.randn(total, N_KV, HEAD_DIM, dtype=dtype, device=device)
+        v = torch.randn(total, N_KV, HEAD_DIM, dtype=dtype, device=device)
+        got = lambda: prefill_attention(q, k, v, SCALE)
+        want = lambda: reference.prefill_attention(q, k, v, SCALE)
+        return Prepared(got, want, lambda: (got(), want()), _causal_flops(prior, new), "TFLOP/s")
+    if case.kernel == "kv.store":
+        k_cache, v_cache, _ = paged_cache(1, b, dtype, device)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        k = torch.randn(b, N_KV, HEAD_DIM, dtype=dtype, device=device)
+        v = torch.randn(b, N_KV, HEAD_DIM, dtype=dtype, device=device)
+        slots = torch.randperm(k_cache.shape[0] * BLOCK, device=device)[:b]
+        got = lambda: store_kv(k, v, k_cache, v_cache, slots)
+        want = lambda: reference.store_kv(k, v, k_ref, v_ref, slots)
+
+        def answers() -> tuple[torch.Tensor, torch.Tensor]:
+            got(), want()
+            return torch.stack([k_cache, v_cache]), torch.stack([k_ref, v_ref])
+
+        return Prepared(got, want, answers, 2 * 2 * b * N_KV * HEAD_DIM * size, "GB/s")
+    raise ValueError(f"unknown kernel {case.kernel!r}")
+
+
+def _causal_flops(prior: int, new: int) -> float:
+    # Each query sees the prior context and the new tokens up to itself; QK^T and PV, 2 flops a MAC.
+    visible = new * prior + new * (new + 1) / 2
+    return 4.0 * N_HEADS * HEAD_DIM * visible
+
+
+def cuda_time_ms(fn: Callable[[], object], budget_ms: float) -> float:
+    """Mean milliseconds per call, over as many calls (3..200) as fit `budget_ms`."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    reps = int(min(200, max(3, budget_ms / max(start.elapsed_time(end), 1e-3))))
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def run_case(case: Case, device: torch.device, timer: Timer, budget_ms: float) -> Result:
+    result = Result(**asdict(case), tolerance=TOLERANCE[case.dtype])
+    try:
+        prepared = prepare(case, device)
+        got, want = prepared.answers()
+        result.max_err = float(((got.float() - want.float()).abs() / (1 + want.float().abs())).max())
+        result.ok = result.max_err <= result.tolerance
+        result.triton_ms = timer(prepared.run_triton, budget_ms)
+        result.torch_ms = timer(prepared.run_torch, budget_ms)
+        result.speedup = result.torch_ms / result.triton_ms
+        scale = 1e9 if prepared.unit == "GB/s" else 1e12
+        result.throughput = prepared.work / (result.triton_ms * 1e-3) / scale
+        result.unit = prepared.unit
+    except Exception as exc:  # one broken case must not hide the others
+        result.ok = False
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+    return result
+
+
+def run_all(todo: list[Case], device: torch.device, timer: Timer, budget_ms: float, deadline_s: float) -> list[Result]:
+    started = time.monotonic()
+    results = []
+    for case in todo:
+        if time.monotonic() - started > deadline_s:
+            results.append(Result(**asdict(case), tolerance=TOLERANCE[case.dtype], error="skipped: time budget spent"))
+            continue
+        results.append(run_case(case, device, timer, budget_ms))
+    return results
+
+
+def render(results: list[Result]) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    # Piped output (a log, a remote run) would otherwise be squeezed to 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=130)
+    for kernel in dict.fromkeys(r.kernel for r in results):
+        rows = [r for r in results if r.kernel == kernel]
+        unit = next((r.unit for r in rows if r.unit), "")
+        table = Table(title=f"{kernel}: Triton vs torch twin ({N_HEADS} heads / {N_KV} KV heads / dim {HEAD_DIM})",
+                      box=box.SIMPLE_HEAD)
+        for column in ("dtype", "batch", "context", "new", "triton ms", "torch ms", "speedup", unit, "max err", ""):
+            table.add_column(column, justify="right")
+        for r in rows:
+            table.add_row(
+                r.dtype, str(r.batch), str(r.context), str(r.new_tokens),
+                _fmt(r.triton_ms, ".4f"), _fmt(r.torch_ms, ".4f"), _fmt(r.speedup, ".1f", "x"),
+                _fmt(r.throughput, ".1f"), _fmt(r.max_err, ".1e"),
+                "[green]ok[/]" if r.ok else "[red]FAIL[/]",
+            )
+        console.print(table)
+        for r in rows:
+            if not r.ok:
+                console.print(f"  [red]{r.dtype} batch {r.batch} context {r.context} new {r.new_tokens}:[/] "
+                              f"{r.error or f'error {r.max_err:.1e} over tolerance {r.tolerance:.0e}'}", markup=True)
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": str(torch.version.cuda),
+        "python": platform.python_version(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--budget-s", type=float, default=100.0, help="skip the cases left after this many seconds")
+    parser.add_argument("--case-ms", type=float, default=100.0, help="timing budget per implementation and case")
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU: torch sees none here (the kernels are tested on CPU "
+              "with TRITON_INTERPRET=1 by `pytest tests/kernels` instead).", file=sys.stderr)
+        return 2
+    if os.environ.pop("TRITON_INTERPRET", None) not in (None, "", "0"):
+        # The interpreter would run the kernels as Python on the host: nothing worth timing.
+        print("note: TRITON_INTERPRET ignored: this benchmark times compiled kernels", file=sys.stderr)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    torch.backends.cuda.matmul.allow_tf32 = False     # the twins' fp32 math stays fp32
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+
+    started = time.monotonic()
+    with torch.inference_mode():
+        results = run_all(cases(args.quick), device, cuda_time_ms, args.case_ms, args.budget_s)
+    elapsed = time.monotonic() - started
+    render(results)
+
+    report = {"environment": environment(device), "elapsed_s": round(elapsed, 2),
+              "shape": {"n_heads": N_HEADS, "n_kv": N_KV, "head_dim": HEAD_DIM, "block_size": BLOCK},
+              "results": [asdict(r) for r in results]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    bad = [r for r in results if not r.ok]
+    print(f"{len(results)} cases in {elapsed:.1f} s, {len(bad)} failed or skipped; results in {args.out}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

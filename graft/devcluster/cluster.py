@@ -1,0 +1,271 @@
+"""`graft dev-cluster`: a local stand-in for a Kubernetes cluster running an engine fleet.
+
+One process holds it all together: the API server emulator (kubectl and the operator talk to it
+through the kubeconfig it writes), the pod runner playing kubelet for the engine Deployment (a
+real `graft serve` process per Pod), a real Prometheus scraping every engine, the operator as its
+own process (`graft operator`, as in a cluster), and, when asked, client traffic of BBH prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from graft.devcluster.apiserver import ApiServer
+from graft.devcluster.podrunner import PodRunner
+from graft.devcluster.prometheus import PrometheusServer
+from graft.devcluster.traffic import Router, Traffic
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = ROOT / "crds"
+APP = {"app": "llm-engine"}
+TOKEN_SECRET = "graft-admin-token"
+
+
+@dataclass(slots=True)
+class ClusterOptions:
+    workdir: Path
+    namespace: str = "llm"
+    pods: int = 3
+    kv_cache_memory: str = "192M"
+    max_num_batched_tokens: int = 256
+    scrape_interval: str = "1s"
+    operator: bool = True
+    operator_tick: float = 1.0
+    engine_threads: int = 1
+    api_port: int = 0
+
+
+def engine_deployment(opts: ClusterOptions) -> dict[str, Any]:
+    """The engine Deployment of the dev cluster: the chart's engine pod, sized for a CPU."""
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "llm-engine", "namespace": opts.namespace, "labels": dict(APP)},
+        "spec": {
+            "replicas": opts.pods,
+            "selector": {"matchLabels": dict(APP)},
+            "template": {
+                "metadata": {"labels": dict(APP), "annotations": {"graft.dev/patches": "base"}},
+                "spec": {"containers": [{
+                    "name": "engine",
+                    "command": ["graft"],
+                    "args": ["serve", "--port", "8000", "--admin-port", "8081", "--enable-test-patches",
+                             "--kv-cache-memory", opts.kv_cache_memory,
+                             "--max-num-batched-tokens", str(opts.max_num_batched_tokens), "--grace", "5"],
+                    "ports": [{"name": "http", "containerPort": 8000}, {"name": "admin", "containerPort": 8081}],
+                    "env": [
+                        {"name": "GRAFT_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": TOKEN_SECRET, "key": "token"}}},
+                        {"name": "GRAFT_PATCHES", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['graft.dev/patches']"}}},
+                        {"name": "OMP_NUM_THREADS", "value": str(opts.engine_threads)},
+                    ],
+                    "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}},
+                    "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}},
+                }]},
+            },
+        },
+    }
+
+
+class DevCluster:
+    """`async with DevCluster(opts) as cluster:`; everything stops when the block ends."""
+
+    def __init__(self, opts: ClusterOptions):
+        self.opts = opts
+        self.workdir = Path(opts.workdir)
+        self.kubeconfig = self.workdir / "kubeconfig"
+        self.token = secrets.token_urlsafe(24)
+        self.api_server = ApiServer(crd_paths=[CRDS], port=opts.api_port, history_limit=1000)
+        self.api: httpx.AsyncClient | None = None
+        self.pods: PodRunner | None = None
+        self.prometheus: PrometheusServer | None = None
+        self.operator_proc: subprocess.Popen | None = None
+        self._sync_task: asyncio.Task | None = None
+        self._stack = contextlib.AsyncExitStack()
+
+    @property
+    def namespace(self) -> str:
+        return self.opts.namespace
+
+    async def __aenter__(self) -> "DevCluster":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            await self._stack.enter_async_context(self.api_server)
+            self.api_server.write_kubeconfig(self.kubeconfig, namespace=self.namespace)
+            self.api = httpx.AsyncClient(base_url=self.api_server.url, timeout=10)
+            self._stack.push_async_callback(self.api.aclose)
+            await self._bootstrap()
+            self.prometheus = PrometheusServer([], scrape_interval=self.opts.scrape_interval)
+            self.prometheus.start()
+            self._stack.callback(self.prometheus.close)
+            self.pods = PodRunner(self.api_server.url, self.namespace, self.workdir / "pods")
+            await self._stack.enter_async_context(self.pods)
+            self._sync_task = asyncio.create_task(self._sync_targets())
+            self._stack.push_async_callback(self._cancel_sync)
+            if self.opts.operator:
+                self.start_operator()
+                self._stack.callback(self.stop_operator)
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _cancel_sync(self) -> None:
+        if self._sync_task:
+            self._sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sync_task
+
+    async def _bootstrap(self) -> None:
+        await self.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": self.namespace}})
+        import base64
+        await self.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": TOKEN_SECRET, "namespace": self.namespace},
+                          "type": "Opaque", "data": {"token": base64.b64encode(self.token.encode()).decode()}})
+        await self.apply({"apiVersion": "v1", "kind": "Service",
+                          "metadata": {"name": "llm-engine", "namespace": self.namespace},
+                          "spec": {"selector": dict(APP), "ports": [{"name": "http", "port": 8000, "targetPort": "http"}]}})
+        await self.apply(engine_deployment(self.opts))
+
+    async def _sync_targets(self) -> None:
+        seen: list = []
+        while True:
+            assert self.pods is not None and self.prometheus is not None
+            targets = sorted((f"{c.ip}:8000", {"namespace": self.namespace, "pod": c.pod})
+                             for c in self.pods.containers.values())
+            if targets != seen:
+                self.prometheus.set_targets(targets)
+                seen = targets
+            await asyncio.sleep(0.5)
+
+    # the operator, as its own process
+    def start_operator(self) -> None:
+        env = {**os.environ, "GRAFT_KUBE_SERVER": self.api_server.url,
+               "GRAFT_ADMIN_TOKEN_SECRET": f"{self.namespace}/{TOKEN_SECRET}",
+               "GRAFT_TICK_SECONDS": str(self.opts.operator_tick), "GRAFT_NAMESPACES": self.namespace}
+        out = open(self.workdir / "operator.log", "ab")
+        self.operator_proc = subprocess.Popen([sys.executable, "-m", "graft.cli", "operator"],
+                                              stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        out.close()
+
+    def stop_operator(self, sig: int = signal.SIGTERM) -> None:
+        p = self.operator_proc
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(sig)
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+    # API helpers
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create, or replace if it exists (like `kubectl apply` for whole objects)."""
+        assert self.api is not None
+        path = object_path(obj)
+        r = await self.api.post(path.rsplit("/", 1)[0] if obj["metadata"].get("name") else path, json=obj)
+        if r.status_code == 409:
+            cur = (await self.api.get(path)).json()
+            obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": cur["metadata"]["resourceVersion"]}}
+            r = await self.api.put(path, json=obj)
+        if r.status_code >= 400:
+            raise ValueError(f"{obj['kind']} {obj['metadata'].get('name')}: {r.json().get('message', r.text)}")
+        return r.json()
+
+    async def apply_file(self, path: str | os.PathLike, **overrides: Any) -> list[dict[str, Any]]:
+        out = []
+        for doc in yaml.safe_load_all(Path(path).read_text()):
+            if doc:
+                doc.setdefault("metadata", {}).setdefault("namespace", self.namespace)
+                out.append(await self.apply(doc))
+        return out
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        assert self.api is not None
+        r = await self.api.get(path)
+        return r.json() if r.status_code == 200 else None
+
+    async def rollout(self, name: str) -> dict[str, Any] | None:
+        return await self.get(f"/apis/graft.dev/v1alpha1/namespaces/{self.namespace}/patchrollouts/{name}")
+
+    async def pod_objects(self) -> list[dict[str, Any]]:
+        assert self.api is not None
+        return (await self.api.get(f"/api/v1/namespaces/{self.namespace}/pods")).json()["items"]
+
+    async def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        assert self.api is not None
+        items = (await self.api.get(f"/api/v1/namespaces/{self.namespace}/events")).json()["items"]
+        if name is not None:
+            items = [e for e in items if e.get("involvedObject", {}).get("name") == name]
+        return sorted(items, key=lambda e: (e.get("lastTimestamp") or e.get("eventTime") or "",
+                                            int(e["metadata"].get("resourceVersion", 0))))
+
+    async def wait_ready(self, count: int | None = None, timeout: float = 180) -> None:
+        count = self.opts.pods if count is None else count
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.pods and len(self.pods.ready_pods()) >= count:
+                return
+            await asyncio.sleep(0.5)
+        logs = "\n".join(f"{c.pod}: {c.log_path.read_text()[-800:] if c.log_path else ''}"
+                         for c in (self.pods.containers.values() if self.pods else []))
+        raise TimeoutError(f"{count} engine pods not ready after {timeout}s\n{logs}")
+
+    def router(self) -> Router:
+        assert self.api is not None
+        return Router(self.api, self.namespace, dict(APP))
+
+    def traffic(self, prompts: list[str], rate: float = 3.0, max_tokens: int = 8) -> Traffic:
+        return Traffic(self.router(), prompts, rate=rate, max_tokens=max_tokens)
+
+
+def object_path(obj: dict[str, Any]) -> str:
+    api_version, kind = obj["apiVersion"], obj["kind"]
+    plural = {"Namespace": "namespaces", "Secret": "secrets", "Service": "services", "Deployment": "deployments",
+              "ConfigMap": "configmaps", "Pod": "pods", "PatchRollout": "patchrollouts",
+              "HTTPRoute": "httproutes"}[kind]
+    meta = obj["metadata"]
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    if kind == "Namespace":
+        return f"{base}/namespaces/{meta['name']}"
+    return f"{base}/namespaces/{meta.get('namespace', 'default')}/{plural}/{meta.get('name', '')}"
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the dev cluster in the foreground until Ctrl-C."""
+    opts = ClusterOptions(workdir=Path(args.dir), pods=args.pods)
+
+    async def run() -> None:
+        async with DevCluster(opts) as cluster:
+            await cluster.wait_ready()
+            kc = cluster.kubeconfig.resolve()
+            print(f"dev cluster up: {opts.pods} engine pods in namespace {opts.namespace}\n"
+                  f"  kubectl --kubeconfig {kc} get pods,patchrollouts -n {opts.namespace}\n"
+                  f"  kubectl --kubeconfig {kc} apply --validate=false -f examples/rollout-builtin.yaml\n"
+                  f"  Prometheus: {cluster.prometheus.url if cluster.prometheus else '-'}\n"
+                  f"Ctrl-C stops everything.", flush=True)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
+
+    asyncio.run(run())
+    return 0

