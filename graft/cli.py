@@ -68,8 +68,8 @@ def cmd_patch(args: argparse.Namespace) -> int:
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
-    from graft.operator.main import run
-    return run(args)
+    from graft.operator.main import main_operator
+    return main_operator(args.rest)
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
@@ -124,10 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(p)
     p.set_defaults(func=cmd_patch)
 
-    o = sub.add_parser("operator", help="run the PatchRollout operator (kopf)")
-    o.add_argument("--namespace", "-n", action="append", help="watch these namespaces (default: all)")
-    o.add_argument("--peering", default=None, help="kopf peering name for several replicas")
-    o.add_argument("--kubeconfig", default=None)
+    o = sub.add_parser("operator", help="run the PatchRollout operator (kopf); `graft operator --help` for flags",
+                       add_help=False)
+    o.add_argument("rest", nargs=argparse.REMAINDER)
     o.set_defaults(func=cmd_operator)
 
     r = sub.add_parser("rollout", help="watch and steer PatchRollouts (status, pause, resume, promote, abort)",
@@ -142,7 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+PASSTHROUGH = {"operator": "cmd_operator", "rollout": "cmd_rollout"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in PASSTHROUGH:  # these parse their own flags
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return int(globals()[PASSTHROUGH[argv[0]]](argparse.Namespace(rest=argv[1:])) or 0)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

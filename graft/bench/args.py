@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 
+PATCH_SET = "kv-align@3.2.1,prefill-fusion@3.2.1,sync-free@3.2.1"
+ONE_TASK = "logical_deduction_five_objects"   # ~830 prompt tokens with its 3-shot CoT prefix
+
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("suite", nargs="?", default="all", choices=["all", "throughput", "patches", "apply"],
@@ -18,3 +21,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cycles", type=int, default=200, help="apply/revert cycles for the apply suite")
     p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", default="docs/bench", help="folder for JSON results and PNG plots")
+    p.add_argument("--workload", default="both", choices=["mixed", "one-task", "both"],
+                   help="throughput prompts: round-robin over all BBH tasks, one task (shared 3-shot "
+                        "prefix), or both")
+    p.add_argument("--task", default=ONE_TASK, help="the BBH task of the one-task workload")
+    p.add_argument("--patches", default=PATCH_SET,
+                   help="GRAFT_PATCHES of the engine in the throughput suite ('base' for none)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the engine's token budget per step")
+    p.add_argument("--kv-cache-memory", default="2G", help="the engine's KV cache budget")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="patches suite: plain/patched passes alternate this many times")
+    p.add_argument("--light-concurrency", type=int, default=2, help="apply suite: requests in flight meanwhile")

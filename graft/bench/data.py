@@ -56,16 +56,12 @@ def bbh_prompts(data: str | os.PathLike | None = None, tasks: list[str] | None =
 
 
 def mixed_bbh_prompts(n: int, data: str | os.PathLike | None = None) -> list[Prompt]:
-    """n prompts taken round-robin over all tasks (distinct examples), deterministic."""
+    """n prompts taken round-robin over all tasks (distinct examples while they last), deterministic."""
     root = resolve_data_dir(data)
     tasks = bbh_tasks(root)
     per_task = -(-n // len(tasks))
-    by_task = {t: bbh_prompts(root, [t], per_task) for t in tasks}
-    out: list[Prompt] = []
-    i = 0
-    while len(out) < n:
-        for t in tasks:
-            if i < len(by_task[t]) and len(out) < n:
-                out.append(by_task[t][i])
-        i += 1
-    return out
+    by_task = [bbh_prompts(root, [t], per_task) for t in tasks]
+    interleaved = [p for i in range(per_task) for ps in by_task if i < len(ps) for p in [ps[i]]]
+    if not interleaved:
+        raise FileNotFoundError(f"no BBH examples under {root}")
+    return [interleaved[i % len(interleaved)] for i in range(n)]

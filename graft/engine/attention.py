@@ -120,7 +120,9 @@ def decode_attention_batched(
 ) -> torch.Tensor:
     """All decodes at once: one padded gather of every sequence's blocks and one masked SDPA.
 
-    `gather` is unused: the blocks of all sequences are fetched together here.
+    `gather` is unused: the blocks of all sequences are fetched together here. The padding read
+    (slots past a context, block 0 for table padding) is masked out, so it must hold finite values:
+    allocate the cache with zeros, not `torch.empty`, since a NaN would survive the mask.
     """
     b, block_size = q.shape[0], k_cache.shape[1]
     n_blocks = _num_blocks(max(context_lens), block_size)
@@ -129,9 +131,6 @@ def decode_attention_batched(
     v = v_cache[idx].flatten(1, 2)
     lens = torch.tensor(context_lens, device=q.device)
     valid = torch.arange(k.shape[1], device=q.device) < lens[:, None]  # [B, L]
-    # padding slots may hold anything a fresh cache held (even NaN); a mask alone cannot cancel NaN
-    k = k.masked_fill(~valid[:, :, None, None], 0)
-    v = v.masked_fill(~valid[:, :, None, None], 0)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,

@@ -207,7 +207,8 @@ class BlockManager:
         for seq in self._seqs.values():
             table = seq.block_table
             assert len(set(table)) == len(table), f"seq {seq.seq_id}: a block twice in its table {table}"
-            assert len(table) * self.block_size >= seq.num_computed_tokens, f"seq {seq.seq_id}: table too short"
+            assert len(table) * self.block_size >= seq.num_computed_tokens, \
+                f"seq {seq.seq_id}: its table is shorter than its computed tokens"
             for b in table:
                 counts[b] += 1
         free = self._free + list(self._cached_free)
@@ -215,7 +216,8 @@ class BlockManager:
         free_set = set(free)
         for b in range(self.num_blocks):
             assert counts[b] == self._ref[b], f"block {b}: ref {self._ref[b]} but {counts[b]} tables hold it"
-            assert (self._ref[b] == 0) == (b in free_set), f"block {b}: ref {self._ref[b]}, free={b in free_set}"
+            assert (self._ref[b] == 0) == (b in free_set), \
+                f"block {b}: ref {self._ref[b]}, in the free lists: {b in free_set}"
         for b in self._free:
             assert self._hash[b] is None, f"plain free block {b} has a hash"
         for b in self._cached_free:

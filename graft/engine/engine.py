@@ -197,7 +197,7 @@ class LLMEngine:
         return fut
 
     def _retry_after(self) -> int:
-        return max(1, min(30, self.scheduler.num_waiting // max(1, self.config.max_num_seqs)))
+        return max(1, round(self.scheduler.retry_after()))
 
     # the step loop (its own thread)
     def _drain_inbox(self) -> None:

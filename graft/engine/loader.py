@@ -110,7 +110,8 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
     import gguf
 
     reader = gguf.GGUFReader(str(source))
-    return Tokenizer.from_gguf_metadata({n: f.contents() for n, f in reader.fields.items() if n.startswith("tokenizer.")})
+    meta = {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
+    return Tokenizer.from_gguf_metadata(meta)
 
 
 def _is_gguf(path: Path) -> bool:
@@ -136,6 +137,8 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
 
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path.name}: no token_embd.weight tensor; not a complete model file")
     heads = meta[f"{arch}.attention.head_count"]
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
     hidden = meta[f"{arch}.embedding_length"]

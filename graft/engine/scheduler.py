@@ -67,7 +67,8 @@ class ScheduledBatch:
         self.decodes = [s for s in self.decodes if s is not seq]
 
 
-def default_policy(waiting: list[Sequence], now: float, ageing_seconds: float = AGEING_SECONDS) -> list[Sequence]:
+def default_policy(waiting: list[Sequence], now: float,
+                   ageing_seconds: float = AGEING_SECONDS) -> list[Sequence]:
     """Admission order: effective priority, then tenants round-robin, then arrival.
 
     The effective priority is `seq.priority` minus one level per `ageing_seconds` waited (`now` on
@@ -150,16 +151,25 @@ class Scheduler:
     def schedule(self, policy: Policy, now: float) -> ScheduledBatch | None:
         """The next step's batch, or None when there is nothing to run."""
         batch = ScheduledBatch()
+        for seq in [s for s in self.running if not s.in_prefill]:
+            if seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1, batch):
+                batch.decodes.append(seq)
+        # with requests waiting, a long prefill leaves part of the budget to them: a new short
+        # request then gets its first token within a step or two instead of after the whole prompt
+        total = self.config.max_num_batched_tokens
+        limit = total - total // 2 if self.waiting else total
         for seq in [s for s in self.running if s.in_prefill]:
-            budget = self.config.max_num_batched_tokens - batch.num_tokens
+            budget = limit - batch.num_tokens
             if budget <= 0:
                 break
             if seq.status is SequenceStatus.RUNNING:
                 chunk = self._reserve(seq, min(seq.num_uncomputed, budget), batch)
                 if chunk:
                     batch.prefills.append((seq, chunk))
+        room = (self.waiting and len(self.running) < self.config.max_num_seqs
+                and batch.num_tokens < self.config.max_num_batched_tokens)
         # admitting right after a preemption would only thrash the cache
-        if not batch.preempted or not batch.num_seqs:
+        if room and (not batch.preempted or not batch.num_seqs):
             self._admit(policy(list(self.waiting), now), batch)
         return batch if batch.num_seqs else None
 
@@ -192,7 +202,9 @@ class Scheduler:
         seen: set[int] = set()
         for seq in order:
             # the policy is patchable: ignore anything it returns that is not waiting here
-            if seq.seq_id in seen or seq.status is not SequenceStatus.WAITING or self._live.get(seq.seq_id) is not seq:
+            if seq.seq_id in seen or self._live.get(seq.seq_id) is not seq:
+                continue
+            if seq.status is not SequenceStatus.WAITING:
                 continue
             seen.add(seq.seq_id)
             budget = self.config.max_num_batched_tokens - batch.num_tokens
@@ -247,6 +259,14 @@ class Scheduler:
         if len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.max_seq_len:
             return FinishReason.LENGTH
         return None
+
+    def preempt_all(self) -> int:
+        """Send every running sequence back to waiting (recompute): a swap that cannot take over
+        live state happens with nothing running. Returns how many were preempted."""
+        scratch = ScheduledBatch()
+        for seq in sorted(self.running, key=_preemption_order, reverse=True):
+            self._preempt(seq, scratch)
+        return len(scratch.preempted)
 
     # ending early
     def finish(self, seq_id: int, reason: FinishReason) -> Sequence | None:

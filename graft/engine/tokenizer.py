@@ -39,7 +39,10 @@ def _byte_level() -> pre_tokenizers.PreTokenizer:
 
 def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(pattern), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
 
 
@@ -57,15 +60,11 @@ _GGUF_PRE_TOKENIZERS = {
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable spelling of the 256 byte values."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = keep[:]
-    extra = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(keep, map(chr, chars)))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    spelled = {b: chr(b) for b in printable}
+    others = [b for b in range(256) if b not in spelled]
+    spelled.update({b: chr(256 + i) for i, b in enumerate(others)})
+    return spelled
 
 
 class Tokenizer:
@@ -117,12 +116,16 @@ class Tokenizer:
         backend.add_special_tokens(
             [
                 AddedToken(t, special=True, normalized=False)
-                for t, kind in zip(tokens, types)
-                if kind == _GGUF_CONTROL and set(t) <= alphabet
+                for t, type_ in zip(tokens, types)
+                if type_ == _GGUF_CONTROL and set(t) <= alphabet
             ]
         )
         backend.add_tokens(
-            [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, types) if kind == _GGUF_USER_DEFINED]
+            [
+                AddedToken(t, special=False, normalized=False)
+                for t, type_ in zip(tokens, types)
+                if type_ == _GGUF_USER_DEFINED
+            ]
         )
 
         def token(key: str) -> str | None:
@@ -206,7 +209,9 @@ class Tokenizer:
 
     # ---- chat ----
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """Render `messages` with the model's own chat template, as Hugging Face transformers does."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain completion instead")
@@ -215,7 +220,10 @@ class Tokenizer:
                 raise ValueError(f"a chat message must be a dict with a 'role', got {message!r}")
         if self._template is None:
             self._template = _compile(self.chat_template)
-        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token, "pad_token": self.pad_token}
+        specials = {
+            "bos_token": self.bos_token, "eos_token": self.eos_token,
+            "unk_token": self.unk_token, "pad_token": self.pad_token,
+        }
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -230,7 +238,9 @@ def _compile(template: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
         # jinja's own tojson escapes HTML characters, which would change the prompt
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

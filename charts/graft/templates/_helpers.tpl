@@ -1,0 +1,91 @@
+{{/* Names, labels and the few values every template derives the same way. */}}
+
+{{- define "graft.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "graft.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "graft.operatorName" -}}
+{{- printf "%s-operator" (include "graft.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "graft.engineName" -}}
+{{- printf "%s-engine" (include "graft.fullname" .) | trunc 55 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "graft.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "graft.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: graft
+{{- end -}}
+
+{{- define "graft.operatorSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "graft.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "graft.engineSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "graft.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: engine
+{{- end -}}
+
+{{- define "graft.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "graft.operatorName" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "graft.adminTokenSecretName" -}}
+{{- default (printf "%s-admin-token" (include "graft.fullname" .)) .Values.adminToken.existingSecret -}}
+{{- end -}}
+
+{{- define "graft.peeringName" -}}
+{{- default (include "graft.fullname" .) .Values.operator.peeringName -}}
+{{- end -}}
+
+{{/* The namespaces a namespaced operator serves, one per line. */}}
+{{- define "graft.watchNamespaces" -}}
+{{- $namespaces := .Values.watch.namespaces | default (list .Release.Namespace) -}}
+{{- range $namespaces }}
+{{ . }}
+{{- end -}}
+{{- end -}}
+
+{{- define "graft.image" -}}
+{{- printf "%s:%s" .image.repository (default .chart.AppVersion .image.tag) -}}
+{{- end -}}
+
+{{/* Rules no schema can express, checked once for every template. */}}
+{{- define "graft.validate" -}}
+{{- if and (eq .Values.rbac.scope "cluster") .Values.watch.namespaces -}}
+{{- fail "watch.namespaces applies only with rbac.scope=namespace; with rbac.scope=cluster the operator serves every namespace" -}}
+{{- end -}}
+{{- if and .Values.gatewayAPI.enabled (not .Values.engine.enabled) -}}
+{{- fail "gatewayAPI.enabled routes traffic to the chart's engines: set engine.enabled too" -}}
+{{- end -}}
+{{- if and .Values.gatewayAPI.enabled (not .Values.gatewayAPI.parentRefs) -}}
+{{- fail "gatewayAPI.enabled needs gatewayAPI.parentRefs: the Gateway the HTTPRoute attaches to" -}}
+{{- end -}}
+{{- if and .Values.monitoring.prometheusOperator.enabled (not .Values.engine.enabled) (not .Values.monitoring.prometheusOperator.podSelector) -}}
+{{- fail "monitoring.prometheusOperator.enabled without engine.enabled needs monitoring.prometheusOperator.podSelector: which engine pods to scrape" -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,87 @@
+"""The reference point: Hugging Face transformers' batched `generate` on the same model file and dtype.
+
+Static batching as a plain transformers user would run it: left padding, `batch_size` prompts per
+`generate` call, exactly `max_new_tokens` new tokens for every prompt (greedy, EOS ignored by
+`min_new_tokens`). Loaded offline from the same GGUF (or Hugging Face folder) the engine serves.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class BaselineResult:
+    prompts: int
+    batch_size: int
+    output_tokens: int
+    prompt_tokens: int          # real (unpadded) prompt tokens
+    padded_tokens: int          # prompt tokens after left padding, what the forward passes computed
+    duration_s: float           # generate calls only: loading and warm-up are excluded
+    load_s: float
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.duration_s
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {**asdict(self), "output_tok_s": self.output_tok_s}
+
+
+def _load(model: str | None, dtype: str):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from graft.engine.loader import default_model_path
+
+    path = Path(model or default_model_path())
+    torch_dtype = getattr(torch, dtype)
+    if path.suffix == ".gguf":
+        where, kw = str(path.parent), {"gguf_file": path.name}
+    else:
+        where, kw = str(path), {}
+    tokenizer = AutoTokenizer.from_pretrained(where, **kw)
+    lm = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **kw).eval()
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, lm
+
+
+def hf_generate(prompts: Sequence[str], *, model: str | None = None, dtype: str = "bfloat16",
+                batch_size: int = 16, max_new_tokens: int = 64,
+                on_batch: Callable[[int], None] | None = None) -> BaselineResult:
+    """Generate `max_new_tokens` for every prompt, `batch_size` at a time; `on_batch(n)` after each batch."""
+    import torch
+
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError("batch_size and max_new_tokens must be at least 1")
+    t0 = time.perf_counter()
+    tokenizer, lm = _load(model, dtype)
+    load_s = time.perf_counter() - t0
+    gen_kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                  pad_token_id=tokenizer.pad_token_id)
+    with torch.inference_mode():
+        # first-call costs (allocator, kernel selection) are not what is being compared
+        warm = tokenizer(["Hello there"], return_tensors="pt")
+        lm.generate(**warm, **{**gen_kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        out_tokens = prompt_tokens = padded = 0
+        duration = 0.0
+        for start in range(0, len(prompts), batch_size):
+            batch = list(prompts[start:start + batch_size])
+            enc = tokenizer(batch, return_tensors="pt", padding=True)
+            t1 = time.perf_counter()
+            out = lm.generate(**enc, **gen_kw)
+            duration += time.perf_counter() - t1
+            new = out[:, enc["input_ids"].shape[1]:]
+            out_tokens += new.numel()  # min_new_tokens == max_new_tokens: every row is full length
+            prompt_tokens += int(enc["attention_mask"].sum())
+            padded += int(enc["input_ids"].numel())
+            if on_batch is not None:
+                on_batch(len(batch))
+    return BaselineResult(len(prompts), batch_size, out_tokens, prompt_tokens, padded, duration, load_s)

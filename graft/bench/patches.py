@@ -1,0 +1,240 @@
+"""Suites `patches` and `apply`: what the 3.2.1 hot patches buy, and what applying one costs.
+
+`patches`: one engine process, the same long BBH prompts sent twice (or `rounds` times each,
+alternating): on the plain 3.2.0 paths, then with the 3.2.1 set hot-applied through the admin
+API. Prefix caching is off so the second pass cannot reuse the first pass's KV blocks.
+
+`apply`: one engine process under a light background load; every 3.2.1 patch is applied and
+reverted `cycles` times. Reported: the engine's own `applyMs` (the swap between two steps) and the
+client's round trip of the admin call (which also waits for the step in flight to end and runs the
+patch's self-check probe).
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from graft.bench import report
+from graft.bench.data import Prompt, bbh_prompts
+from graft.bench.engine import AdminClient, EngineOptions, EngineServer
+from graft.bench.loadgen import LoadGenerator, LoadReport, Request, percentile
+from graft.engine.patches.base import parse_patch_list
+
+WARMUP = Request("The capital of France is", max_tokens=4)
+LIGHT_TASK = "sports_understanding"   # the shortest BBH prompts (~240 tokens): steps stay short
+
+
+@dataclass(slots=True)
+class PatchesConfig:
+    num_prompts: int = 16
+    concurrency: int = 16
+    max_tokens: int = 64
+    rounds: int = 1
+    cycles: int = 200
+    light_concurrency: int = 2
+    patch_set: str = "kv-align@3.2.1,prefill-fusion@3.2.1,sync-free@3.2.1"
+    data_dir: str | None = None
+    engine: EngineOptions = field(default_factory=EngineOptions)
+
+    @property
+    def patch_list(self) -> list[tuple[str, str]]:
+        return parse_patch_list(self.patch_set)
+
+
+def long_prompts(n: int, data_dir: str | None) -> list[Prompt]:
+    """The n longest BBH CoT prompts (several examples per task, longest first)."""
+    per_task = max(1, -(-n // 4))
+    prompts = bbh_prompts(data_dir, per_task=per_task)
+    return sorted(prompts, key=lambda p: len(p.text), reverse=True)[:n]
+
+
+def _server(opts: EngineOptions, cfg: PatchesConfig, prefix_caching: bool) -> EngineServer:
+    opts.patches = ""                      # both suites start from the plain 3.2.0 paths
+    opts.prefix_caching = prefix_caching
+    opts.max_num_seqs = max(opts.max_num_seqs, cfg.concurrency, cfg.light_concurrency)
+    with report.status(f"starting graft serve ({opts.dtype}, plain 3.2.0 paths)"):
+        return EngineServer(opts).start()
+
+
+# ---- suite: patches ----
+
+async def _apply_set(admin: AdminClient, patch_list: list[tuple[str, str]]) -> tuple[list[str], dict[str, str]]:
+    """Apply what applies; a patch the engine refuses is reported, not fatal."""
+    applied, refused = [], {}
+    for name, version in patch_list:
+        try:
+            await admin.apply(name, version)
+            applied.append(f"{name}@{version}")
+        except RuntimeError as exc:
+            refused[f"{name}@{version}"] = str(exc)
+            report.console.log(f"[yellow]{name}@{version} not applied[/]: {exc}")
+    return applied, refused
+
+
+async def _revert_all(admin: AdminClient) -> None:
+    for entry in (await admin.patches())["applied"]:
+        await admin.revert(entry["name"])
+
+
+async def _compare(server: EngineServer, cfg: PatchesConfig, prompts: list[str]) -> dict[str, Any]:
+    requests = [Request(p, cfg.max_tokens) for p in prompts]
+    passes: dict[str, list[LoadReport]] = {"3.2.0": [], "3.2.1": []}
+    applied: list[str] = []
+    refused: dict[str, str] = {}
+    async with LoadGenerator(server.url) as gen, server.admin() as admin:
+        await gen.run([WARMUP], 1)
+        for r in range(cfg.rounds):
+            for label in ("3.2.0", "3.2.1"):
+                if label == "3.2.1":
+                    applied, refused = await _apply_set(admin, cfg.patch_list)
+                with report.progress_bar(f"{label} round {r + 1}/{cfg.rounds}", len(requests)) as advance:
+                    passes[label].append(await gen.run(requests, cfg.concurrency, on_result=lambda _: advance(1)))
+                if label == "3.2.1":
+                    await _revert_all(admin)
+    return {"passes": passes, "applied": applied, "refused": refused}
+
+
+def _merge(reports: list[LoadReport]) -> dict[str, Any]:
+    """Throughput averaged over passes; latency percentiles over every request of every pass."""
+    summaries = [r.summary() for r in reports]
+    lat = [x for r in reports for x in r.latencies()]
+    ttft = [x for r in reports for x in r.ttfts()]
+    tpot = [x for r in reports for x in r.tpots()]
+    return {"output_tok_s": sum(s.output_tok_s for s in summaries) / len(summaries),
+            "passes": summaries, "errors": sum(s.errors for s in summaries),
+            "latency_p50": percentile(lat, 50), "latency_p99": percentile(lat, 99),
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
+            "latency": lat, "ttft": ttft}
+
+
+def run_patches(cfg: PatchesConfig, out: Path) -> dict[str, Any]:
+    """Plain paths against the 3.2.1 set on the same engine process; JSON and plots under `out`."""
+    prompts = long_prompts(cfg.num_prompts, cfg.data_dir)
+    server = _server(cfg.engine, cfg, prefix_caching=False)
+    try:
+        measured = asyncio.run(_compare(server, cfg, [p.text for p in prompts]))
+    finally:
+        server.stop()
+    plain, fixed = _merge(measured["passes"]["3.2.0"]), _merge(measured["passes"]["3.2.1"])
+    result = {"suite": "patches", "command": report.command_line(), "machine": report.machine_info(),
+              "config": {"num_prompts": cfg.num_prompts, "concurrency": cfg.concurrency,
+                         "max_tokens": cfg.max_tokens, "rounds": cfg.rounds, "dtype": cfg.engine.dtype,
+                         "patch_set": cfg.patch_set, "engine_args": cfg.engine.argv(),
+                         "tasks": sorted({p.task for p in prompts})},
+              "prompt_tokens_mean": plain["passes"][0].prompt_tokens / max(1, plain["passes"][0].requests),
+              "applied": measured["applied"], "refused": measured["refused"],
+              "plain": plain, "patched": fixed, "ratio": fixed["output_tok_s"] / plain["output_tok_s"],
+              "p99_latency_ratio": fixed["latency_p99"] / plain["latency_p99"]}
+    show_patches(result)
+    label = "3.2.1 set (" + ", ".join(result["applied"]) + ")" if result["refused"] else "3.2.1 set"
+    report.plot_throughput(out / "patches-throughput.png",
+                           {"3.2.0 plain paths": plain["output_tok_s"], label: fixed["output_tok_s"]},
+                           baseline="3.2.0 plain paths",
+                           title=f"long BBH prompts (~{result['prompt_tokens_mean']:.0f} tokens), "
+                                 f"concurrency {cfg.concurrency}, {cfg.max_tokens} new tokens, {cfg.engine.dtype}")
+    report.plot_cdf(out / "patches-latency-cdf.png", {"3.2.0": plain["latency"], "3.2.1": fixed["latency"]},
+                    xlabel="end-to-end latency (s)", title="request latency, plain vs patched")
+    report.write_json(out / "patches.json", result)
+    return result
+
+
+def show_patches(result: dict[str, Any]) -> None:
+    rows = {f"{label} pass {i + 1}": s for label, key in (("3.2.0", "plain"), ("3.2.1", "patched"))
+            for i, s in enumerate(result[key]["passes"])}
+    report.show(report.summary_table(f"patches: long prompts (~{result['prompt_tokens_mean']:.0f} tokens)", rows,
+                                     ratio_to="3.2.0 pass 1"))
+    report.show(report.kv_table("3.2.1 set against the plain paths", [
+        ("applied", ", ".join(result["applied"]) or "none"),
+        ("refused", "; ".join(f"{k}: {v}" for k, v in result["refused"].items()) or "none"),
+        ("throughput ratio", f"{result['ratio']:.2f}x"),
+        ("p99 latency ratio", f"{result['p99_latency_ratio']:.2f}x")]))
+
+
+# ---- suite: apply ----
+
+async def _cycles(server: EngineServer, cfg: PatchesConfig, light: list[Request]) -> dict[str, Any]:
+    samples: dict[str, dict[str, list[float]]] = {}
+    refused: dict[str, str] = {}
+    stop = asyncio.Event()
+    async with LoadGenerator(server.url) as gen, server.admin() as admin:
+        await gen.run([WARMUP], 1)
+        load = asyncio.create_task(gen.run_until(stop, light, cfg.light_concurrency))
+        try:
+            with report.progress_bar("apply/revert cycles", cfg.cycles * len(cfg.patch_list)) as advance:
+                for _ in range(cfg.cycles):
+                    for name, version in cfg.patch_list:
+                        pid = f"{name}@{version}"
+                        if pid in refused:
+                            advance(1)
+                            continue
+                        try:
+                            on = await admin.apply(name, version)
+                        except RuntimeError as exc:
+                            refused[pid] = str(exc)
+                            report.console.log(f"[yellow]{pid} refused, left out[/]: {exc}")
+                            advance(1)
+                            continue
+                        off = await admin.revert(name)
+                        s = samples.setdefault(pid, {"apply_ms": [], "revert_ms": [], "apply_rtt_ms": [],
+                                                     "revert_rtt_ms": [], "verify_ms": []})
+                        s["apply_ms"].append(on.apply_ms)
+                        s["verify_ms"].append(float(on.answer.get("verifyMs", 0.0)))
+                        s["apply_rtt_ms"].append(on.round_trip_ms)
+                        s["revert_ms"].append(off.apply_ms)
+                        s["revert_rtt_ms"].append(off.round_trip_ms)
+                        advance(1)
+        finally:
+            stop.set()
+            background = await load
+    return {"samples": samples, "refused": refused, "load": background.summary()}
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99), "max": max(values, default=float("nan")),
+            "n": len(values)}
+
+
+def run_apply(cfg: PatchesConfig, out: Path) -> dict[str, Any]:
+    """Apply/revert latency of each patch under light load; JSON and a histogram under `out`."""
+    light = [Request(p.text, 32) for p in bbh_prompts(cfg.data_dir, tasks=[LIGHT_TASK], per_task=8)]
+    server = _server(cfg.engine, cfg, prefix_caching=True)
+    try:
+        measured = asyncio.run(_cycles(server, cfg, light))
+    finally:
+        server.stop()
+    per_patch = {pid: {k: _stats(v) for k, v in s.items()} for pid, s in measured["samples"].items()}
+    all_apply = [x for s in measured["samples"].values() for x in s["apply_ms"]]
+    all_revert = [x for s in measured["samples"].values() for x in s["revert_ms"]]
+    result = {"suite": "apply", "command": report.command_line(), "machine": report.machine_info(),
+              "config": {"cycles": cfg.cycles, "patch_set": cfg.patch_set, "dtype": cfg.engine.dtype,
+                         "light_concurrency": cfg.light_concurrency, "light_task": LIGHT_TASK,
+                         "engine_args": cfg.engine.argv()},
+              "refused": measured["refused"], "per_patch": per_patch,
+              "apply_ms": _stats(all_apply), "revert_ms": _stats(all_revert),
+              "background_load": measured["load"], "samples": measured["samples"]}
+    show_apply(result)
+    report.plot_histogram(out / "apply-latency.png",
+                          {f"{pid} apply": s["apply_ms"] for pid, s in measured["samples"].items()}
+                          | {"revert (all)": all_revert},
+                          xlabel="swap time reported by the engine, applyMs (ms)", limit=8.0,
+                          title=f"hot-patch apply/revert, {cfg.cycles} cycles each, light load, {cfg.engine.dtype}")
+    report.write_json(out / "apply.json", result)
+    return result
+
+
+def show_apply(result: dict[str, Any]) -> None:
+    from rich.table import Table
+    t = Table(title="hot-patch apply/revert latency (ms)", title_justify="left")
+    for col in ("patch", "n", "apply p50", "apply p99", "revert p50", "revert p99", "apply RTT p50",
+                "apply RTT p99", "revert RTT p99"):
+        t.add_column(col, justify="left" if col == "patch" else "right")
+    for pid, s in result["per_patch"].items():
+        t.add_row(pid, str(s["apply_ms"]["n"]), f"{s['apply_ms']['p50']:.2f}", f"{s['apply_ms']['p99']:.2f}",
+                  f"{s['revert_ms']['p50']:.2f}", f"{s['revert_ms']['p99']:.2f}", f"{s['apply_rtt_ms']['p50']:.0f}",
+                  f"{s['apply_rtt_ms']['p99']:.0f}", f"{s['revert_rtt_ms']['p99']:.0f}")
+    report.show(t)
+    for pid, why in result["refused"].items():
+        report.console.print(f"[yellow]{pid} was refused by the engine[/]: {why}")

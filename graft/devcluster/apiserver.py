@@ -1,0 +1,473 @@
+"""A local Kubernetes API server: KMock's emulator taught to behave like kube-apiserver.
+
+kopf and kubectl talk to it as to a real cluster. What it does the way kube-apiserver does:
+
+- discovery (``/version``, ``/api``, ``/apis`` and every group/version, with or without the
+  trailing slash) for the built-in kinds KMock bundles (pods, services, configmaps, secrets,
+  namespaces, events in ``v1`` and ``events.k8s.io``, leases, deployments, RBAC, Gateway API
+  HTTPRoutes, ...) and for every CustomResourceDefinition created (by a POST, or from files);
+- namespaces: ``default``, ``kube-system``, ``kube-public``, ``kube-node-lease`` from the start;
+  a namespaced object can only be created in an existing namespace; deleting a namespace deletes
+  what is in it;
+- create (``generateName``, ``uid``, ``creationTimestamp``, ``generation``), get, list, watch,
+  replace (PUT), merge / JSON / strategic patches, finalizer-aware delete, ``dryRun=All``;
+- one global ``resourceVersion``, bumped by every write; a JSON patch whose ``test`` fails, and a
+  stale ``resourceVersion`` in a patch or a PUT, are refused (422 / 409);
+- lists carry ``kind``, ``apiVersion`` and ``resourceVersion`` and page with ``limit``/``continue``;
+  watches resume from ``?resourceVersion=`` (410 Gone once it is too old), honour
+  ``sendInitialEvents`` and ``timeoutSeconds``, and turn label changes into ADDED/DELETED events;
+- label selectors (``=``, ``!=``, ``in``, ``notin``, ``key``, ``!key``) and field selectors on
+  lists and watches;
+- custom resources pruned, defaulted and validated against the CRD's ``openAPIV3Schema`` on
+  create, replace and patch (see :mod:`graft.devcluster.crd`), refused with 422 ``Invalid`` and
+  the field path; ``fieldValidation=Strict`` refuses unknown fields;
+- the status subresource isolated, for every kind that has one: a write to the main resource
+  keeps the stored ``status``, a write to ``/status`` changes nothing but ``status``. No kubelet
+  runs here: whoever plays one writes a pod's ``status`` (its IP, its phase) through ``/status``.
+
+What it does not do: authentication and RBAC (everyone may do everything), CEL validation rules,
+admission webhooks, version conversion, strategic merge of lists (a strategic patch is applied as
+a merge patch), server-side apply, OpenAPI (so ``kubectl apply`` needs ``--validate=false``),
+protobuf bodies (415: kubectl's imperative ``create namespace/configmap/...`` send protobuf, so
+use ``kubectl apply -f``), controllers (nothing creates pods from a Deployment), ``kubectl get``
+tables (kubectl prints its own default columns).
+
+Run it in a test's event loop (``async with ApiServer(crd_paths=[...]) as api``) or as a process
+for kubectl in another terminal: ``python -m graft.devcluster.apiserver --port 6443 --crds crds/
+--kubeconfig /tmp/graft.kubeconfig``. A request answered by a KMock reaction never reaches the
+store, so a test can inject faults: ``api[kmock.method.PATCH, kmock.resource("graft.dev",
+"v1alpha1", "patchrollouts")][:2] << 503`` fails the next two patches of PatchRollouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import bisect
+import functools
+import json
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import jsonpointer
+import kmock
+import yaml
+from kmock._internal import rendering as kmock_rendering  # StreamingError, for __call__
+
+from graft.devcluster.apimachinery import (Predicate, Target, api_error, conflict, field_selector, label_selector,
+                                           merge_patch, not_found, parse_target, sort_key, status,
+                                           strip_directives, verb, version_priority, watch_event)
+from graft.devcluster.kubeconfig import write_kubeconfig
+from graft.devcluster.store import CRDS, NAMESPACES, VERBS, ObjectStore
+
+CORE_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
+SERVER_VERSION = {"major": "1", "minor": "32", "emulationMajor": "1", "emulationMinor": "32",
+                  "minCompatibilityMajor": "1", "minCompatibilityMinor": "31", "gitVersion": "v1.32.0",
+                  "gitCommit": "0" * 40, "gitTreeState": "clean", "buildDate": "2024-12-11T00:00:00Z",
+                  "goVersion": "go1.23.3", "compiler": "gc", "platform": "linux/amd64"}
+_JSON = {"Content-Type": "application/json"}
+_PATCHES = ("application/json-patch+json", "application/merge-patch+json", "application/strategic-merge-patch+json")
+
+
+@attrs.define(kw_only=True)
+class ApiServer(kmock.KubernetesEmulator):
+    """The emulated API server; ``async with`` it to serve on ``host:port`` (0: any free port).
+
+    ``crd_paths`` are CRD manifests (files or folders of ``*.yaml``/``*.json``) created at start,
+    ``namespaces`` the namespaces that exist from the start. ``history_limit`` bounds the request
+    and object histories KMock keeps for assertions (a long-running server sets it).
+    """
+
+    crd_paths: Sequence[str | os.PathLike[str]] = ()
+    host: str = "127.0.0.1"
+    port: int = 0
+    namespaces: Sequence[str] = CORE_NAMESPACES
+    history_limit: int | None = None
+
+    _store: ObjectStore = attrs.field(init=False)
+    _stopping: bool = attrs.field(default=False, init=False)
+    _server: kmock.Server | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        # The stock emulator's own routes and write interception are replaced, not extended:
+        # only the scaffold (discovery, the 404 fallback) is kept, with the methods overridden below.
+        kmock.KubernetesScaffold.__attrs_post_init__(self)
+        self.resources.load_bundled()
+        self._store = ObjectStore(self._objects, self.resources, self.history_limit)
+        self.fallback["get /version/"] << self._serve_server_version
+        self.fallback["get /api/"] << self._serve_api
+        self.fallback["get /apis/"] << self._serve_apis
+        routes = {"list": self._serve_list, "watch": self._serve_watch, "get": self._serve_get,
+                  "create": self._serve_create, "update": self._serve_update, "patch": self._serve_patch,
+                  "delete": self._serve_delete, "deletecollection": self._serve_delete_collection}
+        for name, serve in routes.items():
+            code = 201 if name == "create" else 200
+            self.fallback[functools.partial(_is_verb, name)] << code << _JSON << serve
+
+    # lifecycle
+
+    async def __aenter__(self) -> Self:
+        await super().__aenter__()
+        if self._server is None:
+            try:
+                self._stopping = False
+                self._bootstrap()
+                server = kmock.Server(self, host=self.host, port=self.port or None)
+                await server.__aenter__()
+                self._server = server
+            except BaseException:
+                await super().__aexit__(None, None, None)
+                raise
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._entered == 1 and self._server is not None:
+            self._stopping = True  # ends open watch streams, so the server can close at once
+            self._store.wake()
+            server, self._server = self._server, None
+            await server.__aexit__(exc_type, exc, tb)
+        await super().__aexit__(exc_type, exc, tb)
+
+    @property
+    def url(self) -> str:  # type: ignore[override]
+        """The base URL clients use, e.g. ``http://127.0.0.1:41234``."""
+        if self._server is None:
+            raise RuntimeError("the API server is not serving: use it as `async with ApiServer(...)`")
+        return str(self._server.url).rstrip("/")
+
+    def write_kubeconfig(self, path: str | os.PathLike[str], *, namespace: str = "default") -> Path:
+        """Write a kubeconfig pointing at this server; return its path."""
+        return write_kubeconfig(path, self.url, namespace=namespace)
+
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Create an object in-process, with the same admission as a POST; return it as stored."""
+        api_version, kind = body.get("apiVersion", ""), body.get("kind")
+        group, _, version = api_version.rpartition("/")
+        for resource, info in self.resources.items():
+            if (resource.group, resource.version, info.kind) == (group, version, kind):
+                namespace = (body.get("metadata") or {}).get("namespace", "default") if info.namespaced else None
+                return self._store.create(Target(resource, namespace, None, None), body, {})
+        raise ValueError(f"no resource serves apiVersion {api_version!r} kind {kind!r}")
+
+    def _bootstrap(self) -> None:
+        for name in self.namespaces:
+            if self._store.live(NAMESPACES, None, name) is None:
+                self.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+        for path, doc in _manifests(self.crd_paths):
+            if doc.get("kind") != "CustomResourceDefinition":
+                raise ValueError(f"{path}: not a CustomResourceDefinition (kind: {doc.get('kind')!r})")
+            if self._store.live(CRDS, None, (doc.get("metadata") or {}).get("name")) is not None:
+                continue  # entered again: the CRD is still here
+            try:
+                self.create(doc)
+            except kmock.KubernetesError as e:
+                raise ValueError(f"{path}: {e.message}") from None
+
+    # discovery
+
+    async def _serve_server_version(self, request: kmock.Request) -> dict[str, Any]:
+        return SERVER_VERSION
+
+    async def _serve_api(self, request: kmock.Request) -> dict[str, Any]:
+        return {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [
+            {"clientCIDR": "0.0.0.0/0", "serverAddress": f"{request.url.host}:{request.url.port}"}]}
+
+    async def _serve_apis(self, request: kmock.Request) -> dict[str, Any]:
+        groups = sorted({res.group for res in self.resources if res.group})
+        return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [self._group(g) for g in groups]}
+
+    async def _serve_group(self, request: kmock.Request) -> dict[str, Any]:
+        group = request.url.path.strip("/").split("/")[1]
+        if not any(res.group == group for res in self.resources):
+            raise kmock.KubernetesResourceNotFoundError()
+        return {"kind": "APIGroup", "apiVersion": "v1", **self._group(group)}
+
+    async def _serve_version(self, request: kmock.Request) -> dict[str, Any]:
+        parts = request.url.path.strip("/").split("/")
+        group, version = ("", parts[1]) if parts[0] == "api" else (parts[1], parts[2])
+        found = sorted(((res, info) for res, info in self.resources.items()
+                        if (res.group, res.version) == (group, version)), key=lambda item: str(item[0].plural))
+        if not found:
+            raise kmock.KubernetesResourceNotFoundError()
+        entries = []
+        for res, info in found:
+            base = {"name": res.plural, "singularName": info.singular or "", "namespaced": bool(info.namespaced),
+                    "kind": info.kind, "verbs": sorted(info.verbs or VERBS)}
+            entries.append(base | {"shortNames": sorted(info.shortnames), "categories": sorted(info.categories)})
+            entries += [base | {"name": f"{res.plural}/{sub}", "singularName": "", "verbs": ["get", "patch", "update"]}
+                        for sub in sorted(info.subresources)]
+        return {"kind": "APIResourceList", "apiVersion": "v1",
+                "groupVersion": f"{group}/{version}" if group else version, "resources": entries}
+
+    async def _serve_root(self, request: kmock.Request) -> dict[str, Any]:
+        paths = {"/api", "/api/v1", "/apis", "/version"}
+        paths |= {p for res in self.resources if res.group for p in (f"/apis/{res.group}",
+                                                                     f"/apis/{res.group}/{res.version}")}
+        return {"paths": sorted(paths)}
+
+    def _group(self, group: str) -> dict[str, Any]:
+        versions = sorted({str(res.version) for res in self.resources if res.group == group},
+                          key=version_priority, reverse=True)
+        docs = [{"groupVersion": f"{group}/{v}", "version": v} for v in versions]
+        return {"name": group, "versions": docs, "preferredVersion": docs[0]}
+
+    # reading
+
+    async def _serve_get(self, request: kmock.Request) -> dict[str, Any]:
+        target, _ = self._resolve(request, subresources=("status",))
+        return self._store.existing(target)
+
+    async def _serve_list(self, request: kmock.Request) -> dict[str, Any]:
+        target, info = self._resolve(request)
+        match = _matcher(request, target)
+        items = [obj for obj in self._store.items(target.resource, target.namespace) if match(obj)]
+        meta: dict[str, Any] = {"resourceVersion": str(self._store.rv)}
+        after = request.params.get("continue")
+        if after:
+            cursor = tuple(json.loads(base64.urlsafe_b64decode(after)))
+            items = [obj for obj in items if sort_key(obj) > cursor]
+        limit = int(request.params.get("limit") or 0)
+        if 0 < limit < len(items):
+            meta["remainingItemCount"] = len(items) - limit
+            items = items[:limit]
+            meta["continue"] = base64.urlsafe_b64encode(json.dumps(sort_key(items[-1])).encode()).decode()
+        return {"kind": f"{info.kind}List", "apiVersion": target.api_version, "metadata": meta, "items": items}
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        store = self._store
+        target, info = self._resolve(request)
+        match = _matcher(request, target)
+        since = request.params.get("resourceVersion") or "0"
+        if not since.isdigit():
+            raise api_error(400, "BadRequest", f"invalid resourceVersion: {since!r}")
+        timeout = float(request.params.get("timeoutSeconds") or 0)
+        deadline = asyncio.get_running_loop().time() + timeout if timeout > 0 else None
+        bookmark = request.params.get("sendInitialEvents") == "true"
+        initial = since == "0" or bookmark
+        last = store.rv if initial else int(since)
+        snapshot = [obj for obj in store.items(target.resource, target.namespace) if match(obj)] if initial else []
+        yield b""  # send the headers now: a quiet watch is still a live one
+
+        for obj in snapshot:
+            yield {"type": "ADDED", "object": obj}
+        if bookmark:
+            yield {"type": "BOOKMARK", "object": {"kind": info.kind, "apiVersion": target.api_version, "metadata": {
+                "resourceVersion": str(last), "annotations": {"k8s.io/initial-events-end": "true"}}}}
+        while not self._stopping:
+            wakeup = store.wakeup
+            if last < store.log_floor:  # this watcher fell behind what the log keeps
+                yield {"type": "ERROR", "object": status(410, "Expired", f"too old resource version: {last}")}
+                return
+            changes = store.log[bisect.bisect_right(store.log, last, key=lambda change: change.rv):]
+            for change in changes:
+                last = change.rv
+                event = watch_event(change, target.resource, match)
+                if event is not None:
+                    yield event
+            if changes:
+                continue
+            wait = None if deadline is None else deadline - asyncio.get_running_loop().time()
+            try:
+                await asyncio.wait_for(wakeup.wait(), wait)
+            except TimeoutError:
+                return
+
+    # writing
+
+    async def _serve_create(self, request: kmock.Request) -> dict[str, Any]:
+        target, _ = self._resolve(request)
+        return self._store.create(target, _body(request, dict), request.params)
+
+    async def _serve_update(self, request: kmock.Request) -> dict[str, Any]:
+        target, _ = self._resolve(request, subresources=("status",))
+        return self._store.update(target, self._store.existing(target), _body(request, dict), request.params)
+
+    async def _serve_patch(self, request: kmock.Request) -> dict[str, Any]:
+        target, _ = self._resolve(request, subresources=("status",))
+        old = self._store.existing(target)
+        content_type = _content_type(request)
+        if content_type == "application/json-patch+json":
+            try:
+                patched = jsonpatch.apply_patch(old, _body(request, list))
+            except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as e:
+                raise api_error(422, "Invalid", f"the server rejected our request due to an error in our request: {e}")
+        elif content_type in _PATCHES:
+            patch = _body(request, dict)
+            if content_type == "application/strategic-merge-patch+json":
+                patch = strip_directives(patch)
+            wanted = (patch.get("metadata") or {}).get("resourceVersion")
+            if wanted and wanted != old["metadata"]["resourceVersion"]:
+                raise conflict(target)
+            patched = merge_patch(old, patch)
+        else:
+            raise api_error(415, "UnsupportedMediaType", "the body of the request was in an unknown format: "
+                            f"{content_type or 'none'}; accepted media types include: {', '.join(_PATCHES)}")
+        return self._store.update(target, old, patched, request.params)
+
+    async def _serve_delete(self, request: kmock.Request) -> dict[str, Any]:
+        target, _ = self._resolve(request)
+        return self._store.delete(target.resource, self._store.existing(target), request.params)
+
+    async def _serve_delete_collection(self, request: kmock.Request) -> dict[str, Any]:
+        target, info = self._resolve(request)
+        match = _matcher(request, target)
+        deleted = [self._store.delete(target.resource, obj, request.params)
+                   for obj in self._store.items(target.resource, target.namespace) if match(obj)]
+        return {"kind": f"{info.kind}List", "apiVersion": target.api_version,
+                "metadata": {"resourceVersion": str(self._store.rv)}, "items": deleted}
+
+    def _resolve(self, request: kmock.Request, subresources: tuple[str, ...] = ()) -> tuple[Target, kmock.ResourceInfo]:
+        target = parse_target(request.url.path)
+        assert target is not None  # routed here only for resource URLs
+        info = self._store.info(target)
+        if target.subresource is not None and not (target.subresource in subresources
+                                                   and target.subresource in info.subresources):
+            raise not_found(f"the server could not find the requested resource ({target.qualified}/"
+                            f"{target.subresource} is not emulated)", target)
+        return target, info
+
+    # KMock plumbing
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # RawHandler.__call__, with two changes: a request KMock cannot parse is still served, and a
+        # refused request (4xx) is the client's error, so it is not kept among the server's errors.
+        raw_response: aiohttp.web.StreamResponse | None = None
+        try:
+            request = await _parse_request(raw_request, len(self._requests))
+            self._requests.append(request)
+            if self.history_limit and len(self._requests) > 2 * self.history_limit:
+                del self._requests[:-self.history_limit]
+                for payload in self._payloads:
+                    del payload._requests[:-self.history_limit]
+            try:
+                return await self._handle(request)
+            except kmock_rendering.StreamingError as e:
+                raw_response = e.args[0]
+                raise e.__cause__ or e
+        except Exception as e:
+            if not self._errors:
+                raise
+            if not isinstance(e, kmock.KubernetesError) or e.status >= 500:
+                self._errors[-1].append(e)
+            if raw_response is None or not raw_response.prepared:
+                return await self._render_error(e)
+            await self._stream_error(e, raw_response)
+            await raw_response.write_eof()
+            return raw_response
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        # Skip the stock emulator's write interception: the routes above do the writes.
+        return await kmock.RawHandler._handle(self, request)
+
+    async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
+        if not isinstance(exc, kmock.KubernetesError) or exc.status >= 500:
+            return await super()._render_error(exc)
+        message = exc.message
+        if type(exc) in (kmock.KubernetesEndpointNotFoundError, kmock.KubernetesResourceNotFoundError):
+            message = "the server could not find the requested resource"
+        reason = "NotFound" if exc.status == 404 else exc.reason
+        return aiohttp.web.json_response(status(exc.status, reason, message, exc.details), status=exc.status)
+
+
+async def _parse_request(raw_request: aiohttp.web.BaseRequest, id: int) -> kmock.Request:
+    try:
+        return await kmock.Request._parse(raw_request, id=id)
+    except ValueError:
+        # KMock's URL parser fails on bare collection URLs such as /api/v1/namespaces; the routes
+        # parse URLs themselves, so a request without KMock's Kubernetes fields serves as well.
+        try:
+            data = await raw_request.json()
+        except ValueError:
+            data = None
+        return kmock.Request(id=id, raw_request=raw_request, url=raw_request.url, method=raw_request.method,
+                             params=dict(raw_request.query), headers=dict(raw_request.headers),
+                             cookies=dict(raw_request.cookies), body=await raw_request.read(),
+                             text=await raw_request.text(), data=data)
+
+
+def _is_verb(name: str, request: kmock.Request) -> bool:
+    target = parse_target(request.url.path)
+    return target is not None and verb(str(request.method.value), target, request.params) == name
+
+
+def _content_type(request: kmock.Request) -> str:
+    value = next((v for k, v in request.headers.items() if k.lower() == "content-type"), "")
+    return value.split(";")[0].strip().lower()
+
+
+def _matcher(request: kmock.Request, target: Target) -> Predicate:
+    labels = label_selector(request.params.get("labelSelector", ""))
+    fields = field_selector(request.params.get("fieldSelector", ""))
+
+    def match(obj: dict[str, Any]) -> bool:
+        meta = obj.get("metadata") or {}
+        return ((target.namespace is None or meta.get("namespace") == target.namespace)
+                and (target.name is None or meta.get("name") == target.name)
+                and labels(meta.get("labels") or {}) and fields(obj))
+    return match
+
+
+def _body(request: kmock.Request, kind: type) -> Any:
+    content_type = _content_type(request)
+    if content_type and content_type != "application/json" and not content_type.endswith("+json"):
+        raise api_error(415, "UnsupportedMediaType", f"the body of the request was in an unknown format: "
+                        f"{content_type}; only JSON is emulated")
+    if not isinstance(request.data, kind):
+        raise api_error(400, "BadRequest", f"the request body must be a JSON {'object' if kind is dict else 'array'}")
+    return request.data
+
+
+def _manifests(paths: Sequence[str | os.PathLike[str]]) -> Iterator[tuple[Path, dict[str, Any]]]:
+    for path in map(Path, paths):
+        if not path.exists():
+            raise FileNotFoundError(f"no such manifest file or folder: {path}")
+        files = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml", ".json")) if path.is_dir() else [path]
+        for file in files:
+            for doc in yaml.safe_load_all(file.read_text()):
+                if doc:
+                    yield file, doc
+
+
+# standalone process
+
+async def serve(args: argparse.Namespace) -> None:
+    """Serve until SIGINT/SIGTERM; print the URL once listening, write the kubeconfig if asked."""
+    api = ApiServer(crd_paths=args.crds, host=args.host, port=args.port,
+                    namespaces=[*CORE_NAMESPACES, *args.namespace], history_limit=1000)
+    async with api:
+        if args.kubeconfig:
+            api.write_kubeconfig(args.kubeconfig)
+        print(f"Kubernetes API emulator serving {api.url}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m graft.devcluster.apiserver``: the emulator as a process for kubectl and operators."""
+    parser = argparse.ArgumentParser(prog="python -m graft.devcluster.apiserver", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed at start)")
+    parser.add_argument("--crds", action="append", default=[], metavar="PATH",
+                        help="a CRD manifest or a folder of them (repeatable)")
+    parser.add_argument("--namespace", action="append", default=[], metavar="NAME",
+                        help="an extra namespace to create at start (repeatable)")
+    parser.add_argument("--kubeconfig", metavar="PATH", help="write a kubeconfig for this server here")
+    args = parser.parse_args(argv)
+    try:
+        asyncio.run(serve(args))
+    except (ValueError, OSError) as e:  # a bad manifest, a port in use: say so without a traceback
+        parser.exit(2, f"error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""CustomResourceDefinitions as the API server treats them: served versions, pruning, defaults, validation.
+
+A custom resource written to kube-apiserver goes through three steps before it is stored, and the
+emulator repeats them in the same order:
+
+1. pruning: fields the schema does not know are dropped (kept under
+   ``x-kubernetes-preserve-unknown-fields``), and so are ``null`` values of non-nullable fields;
+2. structural defaulting: every ``default`` of a missing property is filled in, at any depth,
+   including inside array items and inside defaults that were just filled in;
+3. validation against the ``openAPIV3Schema`` (with ``jsonschema``), reported field by field in
+   the API server's words, e.g. ``spec.steps[2].weight: Invalid value: 150: ...``.
+
+CEL rules (``x-kubernetes-validations``) and ``format`` checks are not evaluated: an object that
+only a CEL rule or a format would refuse is accepted here. Versions are not converted: each served
+version keeps its own objects.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+
+# Keys whose value is a map of property name -> schema, a list of schemas, or a single schema.
+_SCHEMA_MAPS = ("properties", "patternProperties", "definitions")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf")
+_SCHEMA_ONE = ("items", "additionalProperties", "not")
+# OpenAPI keywords that JSON Schema draft 4 lacks or that the API server does not enforce here.
+_OPENAPI_ONLY = ("nullable", "default", "format", "example", "externalDocs", "description")
+_TYPE_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "object",
+               list: "array", type(None): "null"}
+
+
+@dataclass(frozen=True, slots=True)
+class FieldError:
+    """One field-level complaint, worded like the API server's ``field.Error``."""
+
+    field: str
+    reason: str  # FieldValueInvalid, FieldValueRequired, FieldValueNotSupported, ...
+    detail: str  # the message without the field path
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.detail}"
+
+
+@dataclass(slots=True)
+class CrdVersion:
+    """One served version of a CustomResourceDefinition: what discovery shows and what writes obey."""
+
+    group: str
+    version: str
+    plural: str
+    kind: str
+    singular: str
+    namespaced: bool
+    short_names: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ()
+    subresources: tuple[str, ...] = ()
+    schema: dict[str, Any] | None = None
+    _validator: Any = field(default=None, init=False, repr=False)
+
+    def prune(self, obj: dict[str, Any]) -> list[str]:
+        """Drop unknown fields and non-nullable nulls in place; return the dropped field paths."""
+        dropped: list[str] = []
+        if self.schema is not None:
+            _prune(obj, self.schema, "", dropped, root=True)
+        return dropped
+
+    def default(self, obj: dict[str, Any]) -> None:
+        """Fill in the schema's defaults in place, the way structural defaulting does."""
+        if self.schema is not None:
+            _default(obj, self.schema)
+
+    def validate(self, obj: dict[str, Any]) -> list[FieldError]:
+        """Check an (already pruned and defaulted) object; return its field errors, sorted."""
+        if self.schema is None:
+            return []
+        if self._validator is None:
+            self._validator = jsonschema.Draft4Validator(_json_schema(self.schema))
+        errors = {str(e): e for err in self._validator.iter_errors(obj) for e in _field_errors(err)}
+        return sorted(errors.values(), key=lambda e: (e.field, e.detail))
+
+
+def served_versions(crd: dict[str, Any]) -> list[CrdVersion]:
+    """The served versions of a CRD body; raises ``InvalidCrd`` when the body cannot define one."""
+    errors = check(crd)
+    if errors:
+        raise InvalidCrd(errors)
+    spec = crd["spec"]
+    names = spec["names"]
+    result = []
+    for v in spec["versions"]:
+        if not v.get("served", True):
+            continue
+        subresources = v.get("subresources") or {}
+        result.append(CrdVersion(
+            group=spec["group"], version=v["name"], plural=names["plural"], kind=names["kind"],
+            singular=names.get("singular") or names["kind"].lower(),
+            namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+            short_names=tuple(names.get("shortNames") or ()),
+            categories=tuple(names.get("categories") or ()),
+            subresources=tuple(sorted(subresources)),
+            schema=(v.get("schema") or {}).get("openAPIV3Schema"),
+        ))
+    return result
+
+
+def check(crd: dict[str, Any]) -> list[FieldError]:
+    """The API server's basic checks of a CRD: names, group, scope, versions and their schemas."""
+    spec = crd.get("spec") or {}
+    names = spec.get("names") or {}
+    versions = spec.get("versions")
+    errors = [FieldError(f"spec.{path}", "FieldValueRequired", "Required value")
+              for path, value in (("group", spec.get("group")), ("names.plural", names.get("plural")),
+                                  ("names.kind", names.get("kind")), ("versions", versions))
+              if not value]
+    for i, version in enumerate(versions if isinstance(versions, list) else []):
+        if not isinstance(version, dict) or not version.get("name"):
+            errors.append(FieldError(f"spec.versions[{i}].name", "FieldValueRequired", "Required value"))
+            continue
+        schema = (version.get("schema") or {}).get("openAPIV3Schema")
+        try:
+            if schema is not None:
+                jsonschema.Draft4Validator.check_schema(_json_schema(schema))
+        except (jsonschema.SchemaError, AttributeError, TypeError) as e:
+            errors.append(FieldError(f"spec.versions[{i}].schema.openAPIV3Schema", "FieldValueInvalid",
+                                     f"Invalid value: {getattr(e, 'message', e)}"))
+    if spec.get("scope", "Namespaced") not in ("Namespaced", "Cluster"):
+        errors.append(FieldError("spec.scope", "FieldValueNotSupported",
+                                 f'Unsupported value: {json.dumps(spec.get("scope"))}: '
+                                 'supported values: "Cluster", "Namespaced"'))
+    if not errors:
+        expected = f'{names["plural"]}.{spec["group"]}'
+        name = (crd.get("metadata") or {}).get("name")
+        if name != expected:
+            errors.append(FieldError("metadata.name", "FieldValueInvalid",
+                                     f'Invalid value: {json.dumps(name)}: must be spec.names.plural+"."+spec.group'))
+        storage = [v.get("name") for v in spec["versions"] if v.get("storage")]
+        if len(storage) != 1:
+            errors.append(FieldError("spec.versions", "FieldValueInvalid",
+                                     "Invalid value: must have exactly one version marked as storage version"))
+    return errors
+
+
+class InvalidCrd(ValueError):
+    """A CustomResourceDefinition the API server would refuse."""
+
+    def __init__(self, errors: list[FieldError]) -> None:
+        super().__init__("; ".join(map(str, errors)))
+        self.errors = errors
+
+
+# pruning
+
+def _prune(value: Any, schema: dict[str, Any], path: str, dropped: list[str], *, root: bool = False) -> None:
+    if isinstance(value, list):
+        items = schema.get("items")
+        if isinstance(items, dict):
+            for i, item in enumerate(value):
+                _prune(item, items, f"{path}[{i}]", dropped)
+        return
+    if not isinstance(value, dict):
+        return
+    props = schema.get("properties") or {}
+    extra = schema.get("additionalProperties")
+    keep_unknown = schema.get("x-kubernetes-preserve-unknown-fields") or extra is True
+    envelope = root or schema.get("x-kubernetes-embedded-resource")
+    for key in list(value):
+        if envelope and key in ("apiVersion", "kind", "metadata"):
+            continue
+        sub = props.get(key, extra if isinstance(extra, dict) else None)
+        if sub is None:
+            if not keep_unknown:
+                dropped.append(_join(path, key))
+                del value[key]
+        elif value[key] is None and not sub.get("nullable"):
+            del value[key]
+        else:
+            _prune(value[key], sub, _join(path, key), dropped)
+
+
+# defaulting
+
+def _default(value: Any, schema: dict[str, Any]) -> None:
+    if isinstance(value, list):
+        items = schema.get("items")
+        if isinstance(items, dict):
+            for item in value:
+                _default(item, items)
+        return
+    if not isinstance(value, dict):
+        return
+    props = schema.get("properties") or {}
+    for key, sub in props.items():
+        if "default" in sub and (key not in value or (value[key] is None and not sub.get("nullable"))):
+            value[key] = copy.deepcopy(sub["default"])
+    extra = schema.get("additionalProperties")
+    for key, item in value.items():
+        sub = props.get(key, extra if isinstance(extra, dict) else None)
+        if sub is not None:
+            _default(item, sub)
+
+
+# validation
+
+def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """Translate an OpenAPI v3 structural schema into a JSON Schema (draft 4) one."""
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _json_schema(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_json_schema(sub) for sub in value]
+        elif key in _SCHEMA_ONE and isinstance(value, dict):
+            out[key] = _json_schema(value)
+        elif key not in _OPENAPI_ONLY and not key.startswith("x-"):
+            out[key] = value
+    if schema.get("x-kubernetes-int-or-string"):
+        out["type"] = ["integer", "string"]
+    if schema.get("nullable"):
+        if isinstance(out.get("type"), str):
+            out["type"] = [out["type"], "null"]
+        if "enum" in out:
+            out["enum"] = [*out["enum"], None]
+    return out
+
+
+def _field_errors(err: jsonschema.ValidationError) -> Iterator[FieldError]:
+    path = _path(err.absolute_path)
+    here = path or "<root>"
+    value, limit = err.instance, err.validator_value
+    match err.validator:
+        case "required":
+            for name in limit:
+                if isinstance(value, dict) and name not in value:
+                    yield FieldError(_join(path, name), "FieldValueRequired", "Required value")
+        case "enum":
+            supported = ", ".join(json.dumps(v) for v in limit)
+            yield FieldError(here, "FieldValueNotSupported",
+                             f"Unsupported value: {_show(value)}: supported values: {supported}")
+        case "type":
+            expected = ",".join(limit) if isinstance(limit, list) else limit
+            actual = _TYPE_NAMES.get(type(value), type(value).__name__)
+            yield _invalid(here, json.dumps(actual), f"{here} in body must be of type {expected}: {json.dumps(actual)}")
+        case "maximum":
+            op = "less than" if err.schema.get("exclusiveMaximum") else "less than or equal to"
+            yield _invalid(here, _show(value), f"{here} in body should be {op} {limit}")
+        case "minimum":
+            op = "greater than" if err.schema.get("exclusiveMinimum") else "greater than or equal to"
+            yield _invalid(here, _show(value), f"{here} in body should be {op} {limit}")
+        case "maxLength":
+            yield FieldError(here, "FieldValueTooLong", f"Too long: may not be longer than {limit}")
+        case "minLength":
+            yield _invalid(here, _show(value), f"{here} in body should be at least {limit} chars long")
+        case "pattern":
+            yield _invalid(here, _show(value), f"{here} in body should match '{limit}'")
+        case "maxItems":
+            yield FieldError(here, "FieldValueTooMany", f"Too many: {len(value)}: must have at most {limit} items")
+        case "minItems":
+            yield _invalid(here, _show(value), f"{here} in body should have at least {limit} items")
+        case "uniqueItems":
+            yield FieldError(here, "FieldValueDuplicate", f"Duplicate value: {_show(value)}")
+        case "oneOf":
+            found = "Found none valid" if err.context else "Found more than one valid alternative"
+            yield _invalid(here, _show(value), f"must validate one and only one schema (oneOf). {found}")
+        case "anyOf":
+            yield _invalid(here, _show(value), "must validate at least one schema (anyOf)")
+        case "not":
+            yield _invalid(here, _show(value), "must not validate the schema (not)")
+        case _:
+            yield _invalid(here, _show(value), err.message)
+
+
+def _invalid(field_path: str, shown: str, detail: str) -> FieldError:
+    return FieldError(field_path, "FieldValueInvalid", f"Invalid value: {shown}: {detail}")
+
+
+def _show(value: Any) -> str:
+    # The API server prints scalars as they are and containers by their type name.
+    if isinstance(value, (dict, list)):
+        return json.dumps(_TYPE_NAMES[type(value)])
+    return json.dumps(value)
+
+
+def _path(parts: Any) -> str:
+    path = ""
+    for part in parts:
+        path = f"{path}[{part}]" if isinstance(part, int) else _join(path, part)
+    return path
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+

@@ -1,0 +1,99 @@
+"""The engines' admin API client (ARCHITECTURE.md, "Admin API"): one httpx client for every pod.
+
+Calls are bounded (at most `concurrency` in flight), timed out, and retried with exponential
+backoff while they do not reach the engine (connection errors, timeouts, 5xx); the engine's own
+refusals come back at once as `AdminError` with the kind the rollout acts on.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from graft.rollout.observation import UNREACHABLE, VERIFY_FAILED
+
+_KINDS = {400: "malformed", 401: "unauthorized", 403: "unauthorized", 404: "unknown-patch",
+          409: "conflict", 422: VERIFY_FAILED}
+
+
+class AdminError(Exception):
+    """An admin API call that failed; `kind` is one of graft.rollout.observation's error kinds."""
+
+    def __init__(self, kind: str, message: str, status: int | None = None):
+        super().__init__(message)
+        self.kind, self.message, self.status = kind, message, status
+
+
+class AdminClient:
+    def __init__(self, token: str | None = None, *, scheme: str = "http", timeout: float = 10.0,
+                 concurrency: int = 16, retries: int = 2, backoff: float = 0.2,
+                 transport: httpx.AsyncBaseTransport | None = None):
+        self.token = token
+        self.scheme, self.retries, self.backoff = scheme, retries, backoff
+        self._limit = asyncio.Semaphore(concurrency)
+        self._client = httpx.AsyncClient(timeout=timeout, transport=transport)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def revision(self, host: str, port: int) -> str:
+        """The engine's current revision (GET /admin/patches)."""
+        return (await self._call("GET", host, port, "/admin/patches"))["revision"]
+
+    async def apply(self, host: str, port: int, name: str, version: str, source: dict[str, Any],
+                    config: dict[str, Any] | None = None) -> str:
+        """Apply a patch (POST /admin/patches); returns the new revision."""
+        body = {"name": name, "version": version, "source": source}
+        if config:
+            body["config"] = config
+        return (await self._call("POST", host, port, "/admin/patches", json=body))["revision"]
+
+    async def revert(self, host: str, port: int, name: str) -> str:
+        """Revert a patch (DELETE /admin/patches/{name}); one that is not applied counts as reverted."""
+        try:
+            return (await self._call("DELETE", host, port, f"/admin/patches/{name}"))["revision"]
+        except AdminError as e:
+            if e.status == 404:
+                return await self.revision(host, port)
+            raise
+
+    async def _call(self, method: str, host: str, port: int, path: str, **kwargs: Any) -> dict[str, Any]:
+        url = f"{self.scheme}://{_host(host)}:{port}{path}"
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        why = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                async with self._limit:
+                    reply = await self._client.request(method, url, headers=headers, **kwargs)
+            except httpx.TransportError as e:
+                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                continue
+            if reply.status_code >= 500:
+                why = f"{reply.status_code} {_message(reply)}"
+                continue
+            if reply.status_code >= 400:
+                kind = _KINDS.get(reply.status_code, "malformed")
+                raise AdminError(kind, f"{method} {path}: {reply.status_code} {_message(reply)}", reply.status_code)
+            try:
+                return reply.json()
+            except ValueError:
+                raise AdminError("malformed", f"{method} {path}: the answer is not JSON") from None
+        raise AdminError(UNREACHABLE, f"admin API at {_host(host)}:{port} unreachable: {why}")
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _message(reply: httpx.Response) -> str:
+    try:
+        body = reply.json()
+    except ValueError:
+        return reply.text[:200]
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(body.get("detail") or body.get("message") or body)[:200] if isinstance(body, dict) else str(body)

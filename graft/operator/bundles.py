@@ -1,0 +1,54 @@
+"""Patch sources for the admin API: built in, or a bundle read from a ConfigMap.
+
+A bundle's digest is checked here, against the digest pinned in the PatchRollout, before anything
+is sent to an engine (the engine checks again). A signature, when the ConfigMap has one under
+`<key>.sig`, travels along for engines that require signed bundles.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any
+
+from graft.operator.kube import Kube, configmap_path
+from graft.rollout.observation import Problem
+from graft.rollout.spec import PatchSpec
+
+
+class BundleError(Exception):
+    def __init__(self, problem: Problem):
+        super().__init__(problem.message)
+        self.problem = problem
+
+
+def digest_of(source: str) -> str:
+    return "sha256:" + hashlib.sha256(source.encode("utf-8")).hexdigest()
+
+
+def verify(source: str, pinned: str, where: str) -> None:
+    actual = digest_of(source)
+    if not hmac.compare_digest(actual, pinned.lower()):
+        raise BundleError(Problem("DigestMismatch", f"{where} has digest {actual}, but the rollout pins "
+                                                    f"{pinned}; refusing to send it", permanent=True))
+
+
+async def load_source(kube: Kube, namespace: str, patch: PatchSpec) -> dict[str, Any]:
+    """The `source` of the POST body; raises BundleError with the Problem to report."""
+    src = patch.source
+    if src.builtin:
+        return {"builtin": True}
+    where = f"ConfigMap {namespace}/{src.config_map}"
+    cm = await kube.get(configmap_path(namespace, src.config_map))
+    if cm is None:
+        raise BundleError(Problem("BundleMissing", f"{where} not found"))
+    data = cm.get("data") or {}
+    if src.key not in data:
+        raise BundleError(Problem("BundleMissing", f"{where} has no key {src.key!r} "
+                                                   f"(keys: {', '.join(sorted(data)) or 'none'})"))
+    source = data[src.key]
+    verify(source, src.digest, f"{where} key {src.key}")
+    body = {"module": source, "digest": src.digest}
+    signature = data.get(f"{src.key}.sig")
+    if signature:
+        body["signature"] = signature.strip()
+    return body

@@ -1,0 +1,209 @@
+"""`graft rollout status [-w] | pause | resume | promote [--full] | abort NAME`, also `kubectl graft ...`.
+
+Each verb changes one field of the PatchRollout and the operator does the rest: `pause`/`resume`
+set `spec.paused`, `promote` sets the annotation `graft.dev/promote` (`step` or `full`), `abort`
+sets `graft.dev/abort: "true"`. `status` shows the step, the weight, the pods and every metric
+against its threshold; `-w` keeps it on screen, updated, until the rollout finishes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+GROUP, VERSION, PLURAL = "graft.dev", "v1alpha1", "patchrollouts"
+FINAL = ("Promoted", "RolledBack", "Failed")
+PHASE_STYLE = {"Progressing": "cyan", "Paused": "yellow", "Promoted": "green", "RollingBack": "red",
+               "RolledBack": "red", "Failed": "bold red", "Pending": "dim"}
+VERDICT_STYLE = {"Successful": "green", "Failed": "red", "Inconclusive": "yellow", "Error": "magenta",
+                 "Skipped": "dim"}
+
+
+class CliError(Exception):
+    pass
+
+
+def main_rollout(argv: Sequence[str] | None = None, console: Console | None = None) -> int:
+    """Entry point of `graft rollout ...` and of the kubectl plug-in `kubectl-graft`."""
+    args = _parser().parse_args(argv)
+    console = console or Console()
+    try:
+        api, namespace = _client(args.kubeconfig, args.context, args.namespace)
+        return args.run(api, namespace, args, console)
+    except CliError as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graft rollout", description="Watch and steer PatchRollouts.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("name", help="the PatchRollout")
+    common.add_argument("-n", "--namespace", help="default: the kubeconfig context's namespace")
+    common.add_argument("--kubeconfig", help="default: $KUBECONFIG or ~/.kube/config (in a pod: its service account)")
+    common.add_argument("--context", help="kubeconfig context")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    status = verbs.add_parser("status", parents=[common], help="show where the rollout stands")
+    status.add_argument("-w", "--watch", action="store_true", help="keep showing it until it finishes")
+    status.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
+    status.set_defaults(run=_status)
+    verbs.add_parser("pause", parents=[common], help="hold at the current step").set_defaults(run=_pause)
+    verbs.add_parser("resume", parents=[common], help="carry on from a pause").set_defaults(run=_resume)
+    promote = verbs.add_parser("promote", parents=[common], help="skip the rest of the current step")
+    promote.add_argument("--full", action="store_true", help="skip every remaining step and analysis")
+    promote.set_defaults(run=_promote)
+    verbs.add_parser("abort", parents=[common], help="roll back now").set_defaults(run=_abort)
+    return parser
+
+
+def _client(kubeconfig: str | None, context: str | None, namespace: str | None):
+    import kubernetes
+
+    try:
+        if kubeconfig is None and context is None and _in_cluster():
+            kubernetes.config.load_incluster_config()
+            default_ns = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text().strip()
+        else:
+            kubernetes.config.load_kube_config(config_file=kubeconfig, context=context)
+            _, active = kubernetes.config.list_kube_config_contexts(config_file=kubeconfig)
+            if context:
+                contexts, _ = kubernetes.config.list_kube_config_contexts(config_file=kubeconfig)
+                active = next((c for c in contexts if c["name"] == context), active)
+            default_ns = (active.get("context") or {}).get("namespace") or "default"
+    except (kubernetes.config.ConfigException, OSError) as e:
+        raise CliError(f"cannot load Kubernetes credentials: {e}") from None
+    return kubernetes.client.CustomObjectsApi(), namespace or default_ns
+
+
+def _in_cluster() -> bool:
+    return "KUBERNETES_SERVICE_HOST" in os.environ and not os.environ.get("KUBECONFIG")
+
+
+def _get(api, namespace: str, name: str) -> dict[str, Any]:
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    except ApiException as e:
+        if e.status == 404:
+            raise CliError(f"PatchRollout {namespace}/{name} not found") from None
+        raise CliError(f"cannot read PatchRollout {namespace}/{name}: {e.status} {e.reason}") from None
+
+
+def _patch(api, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    from kubernetes.client.exceptions import ApiException
+
+    _get(api, namespace, name)
+    try:
+        return api.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, body)
+    except ApiException as e:
+        raise CliError(f"cannot change PatchRollout {namespace}/{name}: {e.status} {e.reason}") from None
+
+
+def _annotate(api, namespace: str, name: str, key: str, value: str) -> None:
+    _patch(api, namespace, name, {"metadata": {"annotations": {key: value}}})
+
+
+def _pause(api, namespace, args, console) -> int:
+    _patch(api, namespace, args.name, {"spec": {"paused": True}})
+    console.print(f"PatchRollout {namespace}/{args.name} paused")
+    return 0
+
+
+def _resume(api, namespace, args, console) -> int:
+    _patch(api, namespace, args.name, {"spec": {"paused": False}})
+    console.print(f"PatchRollout {namespace}/{args.name} resumed")
+    return 0
+
+
+def _promote(api, namespace, args, console) -> int:
+    phase = (_get(api, namespace, args.name).get("status") or {}).get("phase")
+    if phase in FINAL:
+        raise CliError(f"PatchRollout {namespace}/{args.name} is {phase}: nothing to promote")
+    how = "full" if args.full else "step"
+    _annotate(api, namespace, args.name, "graft.dev/promote", how)
+    console.print(f"PatchRollout {namespace}/{args.name}: "
+                  + ("full promotion requested" if args.full else "promotion of the current step requested"))
+    return 0
+
+
+def _abort(api, namespace, args, console) -> int:
+    phase = (_get(api, namespace, args.name).get("status") or {}).get("phase")
+    if phase in FINAL:
+        raise CliError(f"PatchRollout {namespace}/{args.name} is {phase}: nothing to abort")
+    _annotate(api, namespace, args.name, "graft.dev/abort", "true")
+    console.print(f"PatchRollout {namespace}/{args.name}: abort requested")
+    return 0
+
+
+def _status(api, namespace, args, console) -> int:
+    if not args.watch:
+        console.print(render_status(_get(api, namespace, args.name)))
+        return 0
+    from rich.live import Live
+
+    obj = _get(api, namespace, args.name)
+    with Live(render_status(obj), console=console, auto_refresh=False) as live:
+        while (obj.get("status") or {}).get("phase") not in FINAL:
+            time.sleep(args.interval)
+            obj = _get(api, namespace, args.name)
+            live.update(render_status(obj), refresh=True)
+    return 0 if obj["status"]["phase"] == "Promoted" else 2
+
+
+def render_status(obj: dict[str, Any]) -> Group:
+    """A PatchRollout as `graft rollout status` shows it: summary, pods, metrics."""
+    meta, spec, status = obj["metadata"], obj.get("spec") or {}, obj.get("status") or {}
+    phase = status.get("phase", "Pending")
+    steps = spec.get("steps") or []
+    step = status.get("stepIndex", 0)
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    patch = spec.get("patch") or {}
+    summary.add_row("Rollout", f"{meta.get('namespace')}/{meta['name']}")
+    summary.add_row("Patch", f"{patch.get('name')}@{patch.get('version')}")
+    summary.add_row("Phase", Text(phase + (" (paused)" if spec.get("paused") and phase != "Paused" else ""),
+                                  style=PHASE_STYLE.get(phase, "")))
+    summary.add_row("Step", f"{step + 1}/{len(steps)}" if steps else "-")
+    summary.add_row("Weight", f"{status.get('weight', 0)}%")
+    summary.add_row("Stable", status.get("stableRevision") or "-")
+    summary.add_row("Canary", status.get("canaryRevision") or "-")
+    if status.get("message"):
+        summary.add_row("Message", status["message"])
+    parts: list[Any] = [summary]
+
+    pods = Table(title="Pods", title_justify="left")
+    for column in ("Pod", "Track", "Revision", "Restarts", "Patched at"):
+        pods.add_column(column)
+    for p in status.get("pods") or []:
+        pods.add_row(p["name"], Text(p.get("track", ""), style="cyan" if p.get("track") == "canary" else ""),
+                     p.get("revision") or "?", str(p.get("restartCount", 0)), p.get("patchedAt") or "-")
+    parts.append(pods)
+
+    analysis = status.get("analysis") or {}
+    metrics = Table(title=f"Analysis (last run {analysis.get('lastRun') or 'never'}: "
+                          f"{analysis.get('verdict') or '-'})", title_justify="left")
+    for column in ("Metric", "Value", "Threshold", "Window", "Verdict", "Breaches", "Detail"):
+        metrics.add_column(column)
+    for r in analysis.get("results") or []:
+        value = r.get("value")
+        verdict = r.get("verdict", "")
+        metrics.add_row(r["name"] + (" (dry run)" if r.get("dryRun") else ""),
+                        "-" if value is None else f"{value:.4g}", r.get("threshold", ""), r.get("window", ""),
+                        Text(verdict, style=VERDICT_STYLE.get(verdict, "")), str(r.get("breaches", 0)),
+                        r.get("message", ""))
+    parts.append(metrics)
+    return Group(*parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main_rollout())

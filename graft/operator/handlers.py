@@ -1,0 +1,121 @@
+"""The kopf handlers for PatchRollout: thin, each hands its rollout to `reconcile` under its lock.
+
+- create / resume / update (spec, controls in annotations): reconcile at once;
+- a timer every `tick` seconds: reconcile (pauses end, analysis runs, pods are re-checked);
+- delete (behind the finalizer `graft.dev/finalizer`): a rollout still in flight is aborted and its
+  canaries reverted before it goes; a promoted one leaves its patch in place;
+- login: chosen by settings (a plain URL, a kubeconfig, or kopf's in-cluster/kubeconfig login).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from graft.operator import events
+from graft.operator.kube import rollout_path
+from graft.operator.reconcile import ACTIVE, reconcile
+from graft.operator.routers import RouteError, router_for
+from graft.operator.runtime import Runtime
+from graft.rollout.decision import Event
+from graft.rollout.spec import SpecError, parse_spec
+from graft.rollout.status import FINAL, RolloutStatus
+
+GROUP, VERSION, PLURAL = "graft.dev", "v1alpha1", "patchrollouts"
+FINALIZER = "graft.dev/finalizer"
+
+
+def build_registry(runtime: Runtime) -> kopf.OperatorRegistry:
+    """A registry with every handler of the operator, bound to `runtime`."""
+    registry = kopf.OperatorRegistry()
+    resource = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+
+    @kopf.on.startup(registry=registry, id="configure")
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="graft.dev")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="graft.dev", key="last-handled-configuration")
+        settings.posting.level = logging.WARNING     # events are posted on purpose, not from log lines
+        settings.watching.connect_timeout = 10
+        settings.watching.server_timeout = 300
+
+    @kopf.on.login(registry=registry, id="login")
+    async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        return await runtime.login(**kwargs)
+
+    @kopf.on.cleanup(registry=registry, id="cleanup")
+    async def cleanup(**_: Any) -> None:
+        await runtime.close()
+
+    @kopf.on.create(**resource, id="create")
+    async def created(body: kopf.Body, **_: Any) -> None:
+        await step(runtime, body)
+
+    @kopf.on.resume(**resource, id="resume")
+    async def resumed(body: kopf.Body, **_: Any) -> None:
+        await step(runtime, body)
+
+    @kopf.on.update(**resource, id="update")
+    async def updated(body: kopf.Body, **_: Any) -> None:
+        await step(runtime, body)
+
+    @kopf.timer(**resource, id="tick", interval=runtime.settings.tick)
+    async def ticked(body: kopf.Body, **_: Any) -> None:
+        await step(runtime, body)
+
+    @kopf.on.delete(**resource, id="finalize")
+    async def deleted(body: kopf.Body, **_: Any) -> None:
+        await finalize(runtime, body)
+
+    return registry
+
+
+async def _fresh(runtime: Runtime, body: kopf.Body) -> dict[str, Any] | None:
+    # a handler's body can predate the last reconciliation's status: always start from the stored one
+    meta = body["metadata"]
+    return await runtime.kube.get(rollout_path(meta["namespace"], meta["name"]))
+
+
+async def step(runtime: Runtime, body: kopf.Body) -> None:
+    """Reconcile one rollout now, and post the events of what changed."""
+    async with runtime.locks[body["metadata"]["uid"]]:
+        current = await _fresh(runtime, body)
+        if current is None or _settled(current):
+            return
+        result = await reconcile(runtime, current, time.time())
+    for event in result.events:
+        events.post(body, event)
+
+
+def _settled(rollout: dict[str, Any]) -> bool:
+    """A final phase needs nothing more, unless it is a refused spec that may have been fixed since."""
+    status = RolloutStatus.from_dict(rollout.get("status"))
+    return status.phase in FINAL and status.reason != "InvalidSpec"
+
+
+async def finalize(runtime: Runtime, body: kopf.Body) -> None:
+    """Before a rollout goes: abort it if still in flight (canaries reverted), route back to stable."""
+    async with runtime.locks[body["metadata"]["uid"]]:
+        current = await _fresh(runtime, body) or dict(body)
+        status = RolloutStatus.from_dict(current.get("status"))
+        result = None
+        if status.phase in ACTIVE:
+            result = await reconcile(runtime, current, time.time(), abort=True)
+            status = result.status
+    for event in result.events if result else []:
+        events.post(body, event)
+    if status.phase in ACTIVE:
+        raise kopf.TemporaryError(f"reverting before deletion: {status.message}", delay=runtime.settings.tick)
+    runtime.locks.pop(body["metadata"]["uid"], None)
+    try:
+        spec = parse_spec(current.get("spec") or {})
+    except SpecError:
+        return
+    if status.phase != "Promoted":
+        try:
+            await router_for(spec.traffic_routing, runtime.kube, body["metadata"]["namespace"]).finalize()
+        except RouteError as e:
+            events.post(body, Event(e.reason, f"on deletion: {e.message}", "Warning"))

@@ -1,0 +1,210 @@
+"""One reconciliation of one PatchRollout: observe, decide, act, until nothing is left to do.
+
+Level-triggered and safe to repeat: pods' engine revisions are the truth (asked again whenever a
+pod's container is not the one recorded), so a retried or restarted reconciliation never applies
+a patch twice. The status is written here, through the status subresource, while the rollout's
+lock is held, so the next reconciliation always starts from it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from graft.operator import pods as podsmod
+from graft.operator.admin import AdminError
+from graft.operator.bundles import BundleError, load_source
+from graft.operator.kube import rollout_path
+from graft.operator.routers import RouteError, Router, router_for
+from graft.operator.runtime import Runtime, TokenError
+from graft.rollout.decision import (Action, ClearPromote, Event, LabelPod, PatchPod, SetWeight,
+                                    UnpatchPod)
+from graft.rollout.machine import analysis_due, decide, known_revision
+from graft.rollout.observation import (UNREACHABLE, Controls, Measurement, Observation, PodError,
+                                       PodObservation, Problem)
+from graft.rollout.queries import build_queries
+from graft.rollout.spec import RolloutSpec, SpecError, parse_spec
+from graft.rollout.status import FAILED, FINAL, PAUSED, PROGRESSING, ROLLING_BACK, RolloutStatus, from_time
+
+PROMOTE_ANNOTATION = "graft.dev/promote"
+ABORT_ANNOTATION = "graft.dev/abort"
+MAX_ROUNDS = 5
+ACTIVE = (PROGRESSING, PAUSED, ROLLING_BACK)
+
+
+@dataclass(slots=True)
+class Result:
+    status: RolloutStatus
+    events: list[Event] = field(default_factory=list)
+
+
+async def reconcile(rt: Runtime, body: dict[str, Any], now: float, *, abort: bool = False) -> Result:
+    """Reconcile the rollout `body` (as just read from the API server) at time `now`."""
+    stored = RolloutStatus.from_dict(body.get("status"))
+    try:
+        spec = parse_spec(body.get("spec") or {})
+    except SpecError as e:
+        return await _write(rt, body, stored, _invalid(stored, e, body))
+    if stored.phase == FAILED and stored.reason == "InvalidSpec":
+        stored = RolloutStatus()    # the spec was fixed: start over
+    if stored.phase in FINAL:
+        return Result(stored)
+    status, events = await _Tick(rt, spec, body, now, abort).run(stored)
+    return await _write(rt, body, stored, Result(status, events))
+
+
+def _invalid(stored: RolloutStatus, error: SpecError, body: dict[str, Any]) -> Result:
+    status = stored.copy()
+    message = f"invalid spec: {error}"
+    events = [] if status.message == message else [Event("InvalidSpec", message, "Warning")]
+    if status.phase in ACTIVE:
+        status.message = f"{message}; holding until it is fixed"    # never act on a spec we cannot read
+    else:
+        status.phase, status.reason, status.message = FAILED, "InvalidSpec", message
+    status.observed_generation = int(body["metadata"].get("generation") or 0)
+    return Result(status, events)
+
+
+async def _write(rt: Runtime, body: dict[str, Any], stored: RolloutStatus, result: Result) -> Result:
+    new = result.status.to_dict()
+    if new != stored.to_dict() or body.get("status") is None:
+        meta = body["metadata"]
+        await rt.kube.merge_patch(rollout_path(meta["namespace"], meta["name"]) + "/status", {"status": new})
+    return result
+
+
+class _Tick:
+    def __init__(self, rt: Runtime, spec: RolloutSpec, body: dict[str, Any], now: float, abort: bool):
+        self.rt, self.spec, self.body, self.now, self.abort = rt, spec, body, now, abort
+        meta = body["metadata"]
+        self.namespace, self.name = meta["namespace"], meta["name"]
+        self.router: Router = router_for(spec.traffic_routing, rt.kube, self.namespace)
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.answered: dict[str, str] = {}       # revisions the engines gave back this tick
+        self.errors: dict[str, PodError] = {}
+        self.problem: Problem | None = None
+        self.source: dict[str, Any] | None = None
+        self.promote_done = False                # a promote control acts once, not once per round
+        self.status = RolloutStatus()
+
+    async def run(self, status: RolloutStatus) -> tuple[RolloutStatus, list[Event]]:
+        events: list[Event] = []
+        measurements = await self.measure(status) if analysis_due(self.spec, status, self.now) else None
+        for _ in range(MAX_ROUNDS):
+            self.status = status
+            d = decide(self.spec, status, await self.observe(status, measurements), self.now)
+            status, measurements = d.status, None
+            events += d.events
+            if not d.actions:
+                break
+            self.status = status
+            await self.execute(d.actions)
+        return status, events
+
+    # observing
+    async def measure(self, status: RolloutStatus) -> list[Measurement]:
+        queries = build_queries(self.spec.analysis.metrics, namespace=self.namespace,
+                                canary=status.canary_revision, stable=status.stable_revision,
+                                patch_name=self.spec.patch.name, patch_version=self.spec.patch.version)
+        return await self.rt.provider(self.spec.analysis.prometheus).measure(queries)
+
+    async def observe(self, status: RolloutStatus, measurements: list[Measurement] | None) -> Observation:
+        problem = self.problem
+        admin = None
+        try:
+            admin = await self.rt.admin()
+        except TokenError as e:
+            problem = problem or e.problem
+        raw = await podsmod.list_pods(self.rt.kube, self.namespace, self.spec.selector.to_query())
+        self.pods = {p["metadata"]["name"]: p for p in raw}
+        observed = [podsmod.observe_pod(p) for p in raw]
+        await asyncio.gather(*(self.revision(status, pod, admin) for pod in observed))
+        route_weight = None
+        try:
+            route_weight = await self.router.get_weight()
+        except RouteError as e:
+            problem = problem or Problem(e.reason, e.message)
+        annotations = self.body["metadata"].get("annotations") or {}
+        controls = Controls(promote=None if self.promote_done else annotations.get(PROMOTE_ANNOTATION) or None,
+                            abort=self.abort or annotations.get(ABORT_ANNOTATION, "").lower() == "true")
+        return Observation(observed, measurements, route_weight, controls, problem,
+                           from_time(self.body["metadata"].get("creationTimestamp")) or self.now,
+                           int(self.body["metadata"].get("generation") or 0))
+
+    async def revision(self, status: RolloutStatus, pod: PodObservation, admin) -> None:
+        pod.revision = self.answered.get(pod.name) or known_revision(status, pod)
+        pod.error = self.errors.get(pod.name)
+        if pod.revision is not None or not pod.ready or admin is None or pod.error is not None:
+            return
+        try:
+            pod.revision = await admin.revision(*self.address(pod.name))
+        except (AdminError, ValueError) as e:
+            pod.error = _pod_error(e)
+
+    def address(self, pod: str) -> tuple[str, int]:
+        address = podsmod.admin_address(self.pods[pod], self.rt.settings.admin_port)
+        if address is None:
+            raise ValueError(f"pod {pod} has no IP yet")
+        return address
+
+    # acting
+    async def execute(self, actions: list[Action]) -> None:
+        """Runs the actions in order; a run of actions of one kind goes out concurrently."""
+        for _, group in itertools.groupby(actions, key=type):
+            await asyncio.gather(*(self.act(a) for a in group))
+
+    async def act(self, action: Action) -> None:
+        match action:
+            case PatchPod(pod):
+                await self.patch(pod)
+            case UnpatchPod(pod):
+                await self.unpatch(pod)
+            case LabelPod(pod, track, revision):
+                await podsmod.label_pod(self.rt.kube, self.namespace, pod, track, revision)
+            case SetWeight(weight):
+                try:
+                    await self.router.set_weight(weight)
+                except RouteError as e:
+                    self.problem = self.problem or Problem(e.reason, e.message)
+            case ClearPromote():
+                self.promote_done = True
+                await self.rt.kube.merge_patch(rollout_path(self.namespace, self.name),
+                                               {"metadata": {"annotations": {PROMOTE_ANNOTATION: None}}})
+
+    async def patch_source(self) -> dict[str, Any] | None:
+        if self.source is None and self.problem is None:
+            try:
+                self.source = await load_source(self.rt.kube, self.namespace, self.spec.patch)
+            except BundleError as e:
+                self.problem = e.problem
+        return self.source
+
+    async def patch(self, pod: str) -> None:
+        source = await self.patch_source()
+        if source is None:
+            return
+        p = self.spec.patch
+        try:
+            admin = await self.rt.admin()
+            self.answered[pod] = await admin.apply(*self.address(pod), p.name, p.version, source, p.config)
+        except TokenError as e:
+            self.problem = self.problem or e.problem
+        except (AdminError, ValueError) as e:
+            self.errors[pod] = _pod_error(e)
+
+    async def unpatch(self, pod: str) -> None:
+        name = (self.status.patch or self.spec.patch.ref).partition("@")[0]
+        try:
+            admin = await self.rt.admin()
+            self.answered[pod] = await admin.revert(*self.address(pod), name)
+        except TokenError as e:
+            self.problem = self.problem or e.problem
+        except (AdminError, ValueError) as e:
+            self.errors[pod] = _pod_error(e)
+
+
+def _pod_error(e: Exception) -> PodError:
+    if isinstance(e, AdminError):
+        return PodError(e.kind, e.message)
+    return PodError(UNREACHABLE, str(e))

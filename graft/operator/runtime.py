@@ -1,0 +1,92 @@
+"""What every handler shares: settings, the Kubernetes and admin API clients, Prometheus providers,
+one lock per rollout (so two reconciliations of one rollout never overlap), and the login."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from typing import Any
+
+import kopf
+
+from graft.operator.admin import AdminClient
+from graft.operator.kube import Kube, secret_path, secret_value
+from graft.operator.prometheus import PrometheusProvider
+from graft.operator.settings import OperatorSettings
+from graft.rollout.observation import Problem
+
+
+class TokenError(Exception):
+    def __init__(self, problem: Problem):
+        super().__init__(problem.message)
+        self.problem = problem
+
+
+class Runtime:
+    def __init__(self, settings: OperatorSettings):
+        self.settings = settings
+        self.kube: Kube | None = None
+        self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._admin = AdminClient(settings.admin_token, scheme=settings.admin_scheme,
+                                  timeout=settings.admin_timeout, concurrency=settings.admin_concurrency,
+                                  retries=settings.admin_retries)
+        self._token_read_at = float("-inf")
+        self._providers: dict[str, PrometheusProvider] = {}
+
+    # Kubernetes login, chosen by settings
+    async def login(self, logger: Any = None, **kwargs: Any) -> kopf.ConnectionInfo | None:
+        s = self.settings
+        if s.kube_server:
+            info = kopf.ConnectionInfo(server=s.kube_server, insecure=True)
+        elif s.kubeconfig:
+            info = await asyncio.to_thread(_from_kubeconfig, s.kubeconfig, s.kube_context)
+        else:
+            info = kopf.login_via_client(logger=logger, **kwargs)
+        if info is not None:
+            await self.connect(info)
+        return info
+
+    async def connect(self, info: kopf.ConnectionInfo) -> None:
+        old, self.kube = self.kube, Kube.from_connection(info)
+        if old is not None:
+            await old.aclose()
+
+    async def admin(self) -> AdminClient:
+        """The admin API client with a current token; raises TokenError when the Secret is missing."""
+        s = self.settings
+        if s.admin_token_secret and time.monotonic() - self._token_read_at > s.admin_token_ttl:
+            namespace, name = s.admin_token_secret.split("/")
+            secret = await self.kube.get(secret_path(namespace, name))
+            where = f"Secret {namespace}/{name}"
+            if secret is None:
+                raise TokenError(Problem("AdminTokenMissing", f"{where} (the engines' admin token) not found"))
+            token = secret_value(secret, s.admin_token_key)
+            if not token:
+                raise TokenError(Problem("AdminTokenMissing", f"{where} has no key {s.admin_token_key!r}"))
+            self._admin.token, self._token_read_at = token.strip(), time.monotonic()
+        return self._admin
+
+    def provider(self, address: str) -> PrometheusProvider:
+        if address not in self._providers:
+            self._providers[address] = PrometheusProvider(address, self.settings.prometheus_timeout)
+        return self._providers[address]
+
+    async def close(self) -> None:
+        await self._admin.aclose()
+        if self.kube is not None:
+            await self.kube.aclose()
+
+
+def _from_kubeconfig(path: str, context: str | None) -> kopf.ConnectionInfo:
+    """Credentials from a kubeconfig, through the kubernetes client (exec plugins, token files, ...)."""
+    import kubernetes
+
+    config = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(config_file=path, context=context, client_configuration=config)
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
+        username=config.username or None, password=config.password or None,
+        scheme=scheme or None, token=token or None,
+        certificate_path=config.cert_file, private_key_path=config.key_file)

@@ -1,0 +1,74 @@
+"""Operator settings, read from the environment (the Helm chart sets them) or given by tests.
+
+Kubernetes login, chosen in this order:
+- `GRAFT_KUBE_SERVER`: a plain URL, no credentials (the local dev cluster);
+- `GRAFT_KUBECONFIG`: a kubeconfig file (its current context, or `GRAFT_KUBE_CONTEXT`);
+- otherwise kopf's own: the in-cluster service account, then `KUBECONFIG` / `~/.kube/config`.
+
+The engines' admin token: `GRAFT_ADMIN_TOKEN` itself, or the Secret named by
+`GRAFT_ADMIN_TOKEN_SECRET` (`namespace/name`) under the key `GRAFT_ADMIN_TOKEN_SECRET_KEY`
+(default `token`), read through the API and re-read every `GRAFT_ADMIN_TOKEN_TTL` seconds.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class OperatorSettings:
+    namespaces: list[str] = field(default_factory=list)   # empty: every namespace
+    tick: float = 5.0                     # seconds between two reconciliations of a rollout
+    kube_server: str | None = None
+    kubeconfig: str | None = None
+    kube_context: str | None = None
+    admin_token: str | None = None
+    admin_token_secret: str | None = None  # namespace/name
+    admin_token_key: str = "token"
+    admin_token_ttl: float = 60.0
+    admin_port: int = 8081                 # when a pod names no admin port
+    admin_scheme: str = "http"
+    admin_timeout: float = 10.0            # seconds per admin API call (a patch can drain the engine)
+    admin_concurrency: int = 16            # admin API calls in flight at once
+    admin_retries: int = 2                 # retries of a call that did not reach the engine
+    prometheus_timeout: float = 5.0
+    peering: str | None = None             # kopf peering name; None: standalone (one replica)
+
+    def __post_init__(self) -> None:
+        if self.tick <= 0:
+            raise ValueError("tick must be positive")
+        if self.admin_token_secret is not None and self.admin_token_secret.count("/") != 1:
+            raise ValueError(f"GRAFT_ADMIN_TOKEN_SECRET must be namespace/name, got {self.admin_token_secret!r}")
+        if self.admin_scheme not in ("http", "https"):
+            raise ValueError("admin_scheme must be http or https")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorSettings":
+        env = os.environ if env is None else env
+
+        def number(name: str, default: float) -> float:
+            raw = env.get(name)
+            try:
+                return float(raw) if raw else default
+            except ValueError:
+                raise ValueError(f"{name} must be a number, got {raw!r}") from None
+
+        return cls(
+            namespaces=[n.strip() for n in env.get("GRAFT_NAMESPACES", "").split(",") if n.strip()],
+            tick=number("GRAFT_TICK_SECONDS", 5.0),
+            kube_server=env.get("GRAFT_KUBE_SERVER") or None,
+            kubeconfig=env.get("GRAFT_KUBECONFIG") or None,
+            kube_context=env.get("GRAFT_KUBE_CONTEXT") or None,
+            admin_token=env.get("GRAFT_ADMIN_TOKEN") or None,
+            admin_token_secret=env.get("GRAFT_ADMIN_TOKEN_SECRET") or None,
+            admin_token_key=env.get("GRAFT_ADMIN_TOKEN_SECRET_KEY") or "token",
+            admin_token_ttl=number("GRAFT_ADMIN_TOKEN_TTL", 60.0),
+            admin_port=int(number("GRAFT_ADMIN_PORT", 8081)),
+            admin_scheme=env.get("GRAFT_ADMIN_SCHEME") or "http",
+            admin_timeout=number("GRAFT_ADMIN_TIMEOUT", 10.0),
+            admin_concurrency=int(number("GRAFT_ADMIN_CONCURRENCY", 16)),
+            admin_retries=int(number("GRAFT_ADMIN_RETRIES", 2)),
+            prometheus_timeout=number("GRAFT_PROMETHEUS_TIMEOUT", 5.0),
+            peering=env.get("GRAFT_PEERING") or None,
+        )

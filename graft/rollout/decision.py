@@ -1,0 +1,54 @@
+"""What the state machine asks the operator to do: actions on pods and traffic, events, a new status."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from graft.rollout.status import RolloutStatus
+
+
+@dataclass(slots=True, frozen=True)
+class PatchPod:
+    """Apply the rollout's patch on this pod's engine (POST /admin/patches)."""
+    pod: str
+
+
+@dataclass(slots=True, frozen=True)
+class UnpatchPod:
+    """Revert the rollout's patch on this pod's engine (DELETE /admin/patches/{name})."""
+    pod: str
+
+
+@dataclass(slots=True, frozen=True)
+class LabelPod:
+    """Set graft.dev/track and the graft.dev/patches annotation (read by a restarted engine)."""
+    pod: str
+    track: str
+    revision: str
+
+
+@dataclass(slots=True, frozen=True)
+class SetWeight:
+    """Send `weight` percent of the traffic to the canary backend (Gateway API routing)."""
+    weight: int
+
+
+@dataclass(slots=True, frozen=True)
+class ClearPromote:
+    """Remove the graft.dev/promote annotation once acted on."""
+
+
+Action = PatchPod | UnpatchPod | LabelPod | SetWeight | ClearPromote
+
+
+@dataclass(slots=True, frozen=True)
+class Event:
+    reason: str
+    message: str
+    type: str = "Normal"       # Normal | Warning
+
+
+@dataclass(slots=True)
+class Decision:
+    status: RolloutStatus
+    actions: list[Action] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)

@@ -1,0 +1,79 @@
+"""What the operator saw this tick, as plain data: pods, engine revisions, metrics, user controls."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Admin API answers, by how the rollout treats them.
+PERMANENT_ERRORS = {
+    "malformed": "PatchRefused",        # 400
+    "unauthorized": "Unauthorized",     # 401 / 403 (wrong token, untrusted bundle)
+    "unknown-patch": "UnknownPatch",    # 404
+    "conflict": "PatchConflict",        # 409
+}
+VERIFY_FAILED = "verify-failed"         # 422: the engine reverted it already
+UNREACHABLE = "unreachable"             # connection errors, timeouts, 5xx: tried again next tick
+
+
+@dataclass(slots=True)
+class PodError:
+    kind: str           # a key of PERMANENT_ERRORS, VERIFY_FAILED or UNREACHABLE
+    message: str
+
+    @property
+    def permanent(self) -> bool:
+        return self.kind in PERMANENT_ERRORS
+
+
+@dataclass(slots=True)
+class PodObservation:
+    """One pod matching the selector. `revision` is the engine's own answer (None: unknown this tick)."""
+
+    name: str
+    uid: str = ""
+    container_id: str = ""
+    restart_count: int = 0
+    ready: bool = True
+    track: str | None = None           # label graft.dev/track
+    patches: str | None = None         # annotation graft.dev/patches
+    revision: str | None = None
+    error: PodError | None = None
+
+
+@dataclass(slots=True)
+class Measurement:
+    """One metric check's numbers from Prometheus. `value=None`: the query returned nothing."""
+
+    name: str
+    value: float | None = None
+    requests: float | None = None          # canary requests in the window (gated checks)
+    stable_requests: float | None = None   # stable requests in the window (comparisons)
+    error: str | None = None               # the provider failed: unreachable, bad query, timeout
+
+
+@dataclass(slots=True)
+class Problem:
+    """Something outside the pods that stops the rollout from acting (a missing Secret, a bad bundle)."""
+
+    reason: str
+    message: str
+    permanent: bool = False
+
+
+@dataclass(slots=True)
+class Controls:
+    promote: str | None = None          # annotation graft.dev/promote: step | full
+    abort: bool = False                 # annotation graft.dev/abort: "true"
+
+
+@dataclass(slots=True)
+class Observation:
+    pods: list[PodObservation] = field(default_factory=list)
+    measurements: list[Measurement] | None = None   # None: no analysis ran this tick
+    route_weight: int | None = None                 # the router's canary weight; None: pod ratio
+    controls: Controls = field(default_factory=Controls)
+    problem: Problem | None = None
+    created_at: float = 0.0
+    generation: int = 0
+
+    def pod(self, name: str) -> PodObservation | None:
+        return next((p for p in self.pods if p.name == name), None)

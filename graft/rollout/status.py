@@ -1,0 +1,163 @@
+"""The PatchRollout `status`: where a rollout stands, kept in the object so a restarted operator
+resumes the same step without re-patching anything.
+
+Times are epoch seconds in memory and RFC 3339 strings (UTC, milliseconds) in the object.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+PENDING, PROGRESSING, PAUSED = "Pending", "Progressing", "Paused"
+PROMOTED, ROLLING_BACK, ROLLED_BACK, FAILED = "Promoted", "RollingBack", "RolledBack", "Failed"
+PHASES = (PENDING, PROGRESSING, PAUSED, PROMOTED, ROLLING_BACK, ROLLED_BACK, FAILED)
+FINAL = (PROMOTED, ROLLED_BACK, FAILED)
+CANARY, STABLE = "canary", "stable"
+
+
+def to_time(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def from_time(text: str | None) -> float | None:
+    if not text:
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+@dataclass(slots=True)
+class PodRecord:
+    """One engine pod as the rollout last saw it: which track it is on and what it runs."""
+
+    name: str
+    uid: str = ""
+    container_id: str = ""
+    restart_count: int = 0
+    track: str = STABLE
+    revision: str | None = None        # the engine's revision when last confirmed
+    patched_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return _compact({"name": self.name, "uid": self.uid, "containerID": self.container_id,
+                         "restartCount": self.restart_count, "track": self.track,
+                         "revision": self.revision, "patchedAt": to_time(self.patched_at)})
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PodRecord":
+        return cls(d["name"], d.get("uid", ""), d.get("containerID", ""), int(d.get("restartCount", 0)),
+                   d.get("track", STABLE), d.get("revision"), from_time(d.get("patchedAt")))
+
+
+@dataclass(slots=True)
+class CheckResult:
+    """One metric check of the latest analysis run."""
+
+    name: str
+    verdict: str
+    threshold: str
+    window: str
+    value: float | None = None
+    breaches: int = 0
+    dry_run: bool = False
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return _compact({"name": self.name, "value": self.value, "threshold": self.threshold,
+                         "window": self.window, "verdict": self.verdict, "breaches": self.breaches,
+                         "dryRun": self.dry_run, "message": self.message})
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CheckResult":
+        return cls(d["name"], d.get("verdict", ""), d.get("threshold", ""), d.get("window", ""),
+                   d.get("value"), int(d.get("breaches", 0)), bool(d.get("dryRun", False)),
+                   d.get("message", ""))
+
+
+@dataclass(slots=True)
+class AnalysisStatus:
+    last_run: float | None = None
+    verdict: str | None = None
+    results: list[CheckResult] = field(default_factory=list)
+
+    def result(self, name: str) -> CheckResult | None:
+        return next((r for r in self.results if r.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _compact({"lastRun": to_time(self.last_run), "verdict": self.verdict,
+                         "results": [r.to_dict() for r in self.results]})
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "AnalysisStatus":
+        d = d or {}
+        return cls(from_time(d.get("lastRun")), d.get("verdict"),
+                   [CheckResult.from_dict(r) for r in d.get("results") or []])
+
+
+@dataclass(slots=True)
+class RolloutStatus:
+    phase: str = PENDING
+    reason: str = ""
+    message: str = ""
+    patch: str = ""                     # name@version this rollout applies
+    step_index: int = 0
+    weight: int = 0                     # the traffic share in effect
+    stable_revision: str = ""
+    canary_revision: str = ""
+    started_at: float | None = None
+    step_started_at: float | None = None
+    step_ready_at: float | None = None  # when the step's pods and route were in place
+    end_phase: str = ""                 # where RollingBack settles: RolledBack or Failed
+    cause: str = ""                     # why it is rolling back
+    full_promotion: bool = False
+    observed_generation: int = 0
+    pods: list[PodRecord] = field(default_factory=list)
+    analysis: AnalysisStatus = field(default_factory=AnalysisStatus)
+
+    def pod(self, name: str) -> PodRecord | None:
+        return next((p for p in self.pods if p.name == name), None)
+
+    def copy(self) -> "RolloutStatus":
+        return copy.deepcopy(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The status as stored; fields with no value are written as None so a merge patch clears them."""
+        healthy = self.analysis.verdict in (None, "Successful")
+        return {
+            "phase": self.phase, "reason": self.reason, "message": self.message, "patch": self.patch,
+            "stepIndex": self.step_index, "weight": self.weight,
+            "stableRevision": self.stable_revision, "canaryRevision": self.canary_revision,
+            "startedAt": to_time(self.started_at), "stepStartedAt": to_time(self.step_started_at),
+            "stepReadyAt": to_time(self.step_ready_at), "endPhase": self.end_phase or None, "cause": self.cause or None,
+            "fullPromotion": self.full_promotion, "observedGeneration": self.observed_generation,
+            "pods": [p.to_dict() for p in self.pods],
+            "analysis": self.analysis.to_dict(),
+            "conditions": [
+                {"type": "Completed", "status": str(self.phase in ("Promoted", "RolledBack", "Failed")),
+                 "reason": self.reason or self.phase, "message": self.message},
+                {"type": "Healthy", "status": str(healthy),
+                 "reason": self.analysis.verdict or "NotAnalysed", "message": ""},
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "RolloutStatus":
+        d = d or {}
+        return cls(
+            phase=d.get("phase") or PENDING, reason=d.get("reason") or "", message=d.get("message") or "",
+            patch=d.get("patch") or "", step_index=int(d.get("stepIndex") or 0),
+            weight=int(d.get("weight") or 0), stable_revision=d.get("stableRevision") or "",
+            canary_revision=d.get("canaryRevision") or "", started_at=from_time(d.get("startedAt")),
+            step_started_at=from_time(d.get("stepStartedAt")), step_ready_at=from_time(d.get("stepReadyAt")),
+            end_phase=d.get("endPhase") or "", cause=d.get("cause") or "", full_promotion=bool(d.get("fullPromotion")),
+            observed_generation=int(d.get("observedGeneration") or 0),
+            pods=[PodRecord.from_dict(p) for p in d.get("pods") or []],
+            analysis=AnalysisStatus.from_dict(d.get("analysis")),
+        )
+
+
+def _compact(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}

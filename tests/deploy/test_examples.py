@@ -1,0 +1,114 @@
+"""The example manifests: what a cluster would accept, what the operator would accept, and what
+the engine actually provides."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from graft.engine.patches.bundle import BundleVerifier, digest_of, load_bundle
+from graft.engine.patches.registry import discover
+from graft.rollout.spec import parse_spec
+from tests.deploy.manifests import (EXAMPLES, containers, crd_errors, env_of, load_file, of_kind, one,
+                                    pod_template, selects, validation_errors)
+
+FILES = sorted(EXAMPLES.glob("*.yaml"))
+ROLLOUTS = [(path, obj) for path in FILES for obj in load_file(path) if obj["kind"] == "PatchRollout"]
+OTHERS = [(path, obj) for path in FILES for obj in load_file(path) if obj["kind"] != "PatchRollout"]
+ENGINE_EXAMPLE = EXAMPLES / "engine-deployment.yaml"
+
+
+def ids(pairs: list[tuple[Path, dict]]) -> list[str]:
+    return [f'{path.stem}:{obj["kind"]}/{obj["metadata"]["name"]}' for path, obj in pairs]
+
+
+def test_examples_cover_every_way_to_roll_out():
+    names = {path.name for path in FILES}
+    assert {"engine-deployment.yaml", "rollout-builtin.yaml", "rollout-bundle.yaml", "rollout-gateway-api.yaml",
+            "rollout-custom-query.yaml", "rollout-dry-run.yaml", "rollout-fault-test.yaml"} <= names
+    patches = {obj["spec"]["patch"]["name"] for _, obj in ROLLOUTS}
+    assert {"kv-align", "prefill-fusion", "sync-free", "fault"} <= patches
+    assert len({obj["metadata"]["name"] for _, obj in ROLLOUTS}) == len(ROLLOUTS)
+
+
+@pytest.mark.parametrize("path, rollout", ROLLOUTS, ids=ids(ROLLOUTS))
+def test_patchrollout_example_is_accepted_by_the_crd_and_the_operator(crds, path, rollout):
+    version = crds[(rollout["apiVersion"], rollout["kind"])]
+    assert crd_errors(rollout, version) == []
+    parse_spec(rollout["spec"])
+
+
+def test_crd_check_refuses_a_broken_rollout(crds):
+    # the check above must be able to fail: a typo and an out-of-range weight
+    _, rollout = ROLLOUTS[0]
+    broken = {**rollout, "spec": {**rollout["spec"], "stepz": [], "steps": [{"weight": 150}]}}
+    errors = crd_errors(broken, crds[(rollout["apiVersion"], rollout["kind"])])
+    assert "spec.stepz: unknown field" in errors
+    assert any(e.startswith("spec.steps[0].weight") for e in errors)
+
+
+@pytest.mark.parametrize("path, obj", OTHERS, ids=ids(OTHERS))
+def test_other_example_objects_are_valid_kubernetes(crds, path, obj):
+    assert validation_errors(obj, crds) == []
+
+
+def test_example_rollouts_name_patches_the_engine_provides():
+    available = discover(include_test=True)
+    for path, rollout in ROLLOUTS:
+        patch = rollout["spec"]["patch"]
+        if "builtin" not in patch.get("source", {"builtin": {}}):
+            continue
+        ref = f'{patch["name"]}@{patch["version"]}'
+        assert ref in available, f"{path.name}: the engine has no built-in patch {ref}"
+        # test-only patches belong to the fire drill alone
+        assert available[ref].test_only == (path.name == "rollout-fault-test.yaml"), path.name
+
+
+def test_bundle_example_is_pinned_to_its_source_and_loads():
+    objs = load_file(EXAMPLES / "rollout-bundle.yaml")
+    rollout = one(objs, "PatchRollout")
+    source = rollout["spec"]["patch"]["source"]
+    config_map = one(objs, "ConfigMap", source["configMap"]["name"])
+    module = config_map["data"][source["configMap"]["key"]]
+    assert digest_of(module) == source["digest"] == config_map["metadata"]["annotations"]["graft.dev/digest"]
+    BundleVerifier([]).verify(module, source["digest"], None)
+    provided = {p.id for p in load_bundle(module, source["digest"])}
+    assert f'{rollout["spec"]["patch"]["name"]}@{rollout["spec"]["patch"]["version"]}' in provided
+
+
+def test_gateway_example_routes_between_the_services_it_names():
+    objs = load_file(EXAMPLES / "rollout-gateway-api.yaml")
+    routing = one(objs, "PatchRollout")["spec"]["trafficRouting"]["gatewayAPI"]
+    route = one(objs, "HTTPRoute", routing["httpRoute"])
+    weights = {ref["name"]: ref["weight"] for rule in route["spec"]["rules"] for ref in rule["backendRefs"]}
+    assert weights == {routing["stableService"]: 100, routing["canaryService"]: 0}
+    engine_labels = pod_template(one(load_file(ENGINE_EXAMPLE), "Deployment"))["metadata"]["labels"]
+    for name, track in ((routing["stableService"], "stable"), (routing["canaryService"], "canary")):
+        selector = one(objs, "Service", name)["spec"]["selector"]
+        assert selector["graft.dev/track"] == track
+        assert selects({k: v for k, v in selector.items() if k != "graft.dev/track"}, engine_labels)
+
+
+def test_engine_example_keeps_the_engine_contract():
+    objs = load_file(ENGINE_EXAMPLE)
+    deployment = one(objs, "Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    template = pod_template(deployment)
+    (engine,) = containers(deployment)
+    assert engine["args"][:4] == ["serve", "--host=0.0.0.0", "--port=8000", "--admin-port=8081"]
+    env = env_of(engine)
+    assert env["GRAFT_PATCHES"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['graft.dev/patches']"
+    token_dir = env["GRAFT_ADMIN_TOKEN_FILE"]["value"].rsplit("/", 1)[0]
+    mount = next(m for m in engine["volumeMounts"] if m["mountPath"] == token_dir)
+    volume = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "graft-admin-token"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert engine["securityContext"]["readOnlyRootFilesystem"] is True
+    assert engine["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert template["spec"]["securityContext"]["runAsNonRoot"] is True
+    (service,) = of_kind(objs, "Service")
+    assert [p["port"] for p in service["spec"]["ports"]] == [8000]
+    assert selects(service["spec"]["selector"], template["metadata"]["labels"])
+    # every example rollout picks these pods
+    for path, rollout in ROLLOUTS:
+        assert selects(rollout["spec"]["selector"]["matchLabels"], template["metadata"]["labels"]), path.name

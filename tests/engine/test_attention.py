@@ -1,0 +1,140 @@
+"""The two families of attention patch points (plain 3.2.0, fast 3.2.1) give the same answers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graft.engine import attention as A
+from graft.engine.loader import ModelConfig
+from graft.engine.models.llama import Attention
+from graft.engine.patches.slots import SLOT_NAMES
+
+BLOCK = 64
+N_HEADS, N_KV, D = 6, 2, 16
+
+
+def make_cache(num_blocks: int = 24, fill: float = 1e4) -> tuple[torch.Tensor, torch.Tensor]:
+    # unused slots hold large values, so any read past a sequence's context shows up in the result
+    shape = (num_blocks, BLOCK, N_KV, D)
+    return torch.full(shape, fill), torch.full(shape, fill)
+
+
+def fill_sequence(k_cache, v_cache, block_table: list[int], length: int, gen: torch.Generator):
+    """Store `length` random tokens through `store_kv` at the slots the block table names."""
+    k = torch.randn(length, N_KV, D, generator=gen)
+    v = torch.randn(length, N_KV, D, generator=gen)
+    slots = torch.tensor([block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
+    A.store_kv(k, v, k_cache, v_cache, slots)
+    return k, v
+
+
+def shuffled_tables(lengths: list[int], num_blocks: int, seed: int) -> list[list[int]]:
+    free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = []
+    for n in lengths:
+        need = -(-n // BLOCK)
+        tables.append(free[:need])
+        free = free[need:]
+    return tables
+
+
+def padded(tables: list[list[int]]) -> torch.Tensor:
+    width = max(map(len, tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("gather", [A.gather_per_block, A.gather_aligned])
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 200, 320])
+def test_gather_over_shuffled_block_table_returns_the_stored_tokens(gather, length):
+    gen = torch.Generator().manual_seed(length)
+    k_cache, v_cache = make_cache()
+    (table,) = shuffled_tables([length], k_cache.shape[0], seed=length)
+    k, v = fill_sequence(k_cache, v_cache, table, length, gen)
+    got_k, got_v = gather(k_cache, v_cache, torch.tensor(table + [0, 0], dtype=torch.int32), length)
+    assert got_k.shape == (length, N_KV, D)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 1), (7, 7), (64, 64), (5, 70), (1, 130), (33, 200)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_naive_and_fused_agree(lq, lk, dtype):
+    gen = torch.Generator().manual_seed(lq * 1000 + lk)
+    q = torch.randn(lq, N_HEADS, D, generator=gen).to(dtype)
+    k = torch.randn(lk, N_KV, D, generator=gen).to(dtype)
+    v = torch.randn(lk, N_KV, D, generator=gen).to(dtype)
+    naive = A.prefill_attention_naive(q, k, v, D**-0.5)
+    fused = A.prefill_attention_fused(q, k, v, D**-0.5)
+    assert naive.shape == fused.shape == (lq, N_HEADS, D)
+    tol = 1e-5 if dtype is torch.float32 else 2e-2
+    torch.testing.assert_close(fused, naive, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("impl", [A.prefill_attention_naive, A.prefill_attention_fused])
+def test_prefill_is_causal_with_the_query_offset(impl):
+    """Query i of the last Lq tokens sees keys up to Lk - Lq + i, never a later one."""
+    gen = torch.Generator().manual_seed(0)
+    lq, lk = 6, 20
+    q = torch.randn(lq, N_HEADS, D, generator=gen)
+    k = torch.randn(lk, N_KV, D, generator=gen)
+    v = torch.randn(lk, N_KV, D, generator=gen)
+    out = impl(q, k, v, D**-0.5)
+    for i in range(lq):
+        seen = lk - lq + i + 1
+        alone = impl(q[i : i + 1], k[:seen], v[:seen], D**-0.5)
+        torch.testing.assert_close(out[i], alone[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [[1], [5, 64, 65, 130], [300, 1, 77, 128, 129, 2]])
+def test_decode_per_seq_and_batched_agree_over_shuffled_blocks(lengths):
+    gen = torch.Generator().manual_seed(len(lengths))
+    k_cache, v_cache = make_cache()
+    tables = shuffled_tables(lengths, k_cache.shape[0], seed=sum(lengths))
+    contexts = [fill_sequence(k_cache, v_cache, t, n, gen) for t, n in zip(tables, lengths)]
+    q = torch.randn(len(lengths), N_HEADS, D, generator=gen)
+    block_tables, scale = padded(tables), D**-0.5
+
+    plain = A.decode_attention_per_seq(q, k_cache, v_cache, block_tables, lengths, scale, A.gather_per_block)
+    fast = A.decode_attention_batched(q, k_cache, v_cache, block_tables, lengths, scale, A.gather_aligned)
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    for i, (k, v) in enumerate(contexts):  # and both are attention over exactly that sequence's tokens
+        expected = A.prefill_attention_naive(q[i : i + 1], k, v, scale)[0]
+        torch.testing.assert_close(plain[i], expected, atol=1e-6, rtol=1e-6)
+
+
+def tiny_attention(bias: bool) -> Attention:
+    cfg = ModelConfig(
+        vocab_size=32, hidden_size=48, intermediate_size=64, num_layers=1, num_heads=N_HEADS, num_kv_heads=N_KV,
+        head_dim=D, rope_theta=10000.0, rms_eps=1e-5, max_position=128, tie_embeddings=True,
+        bos_token_id=None, eos_token_id=None, name="tiny", qkv_bias=bias,
+    )
+    torch.manual_seed(0)
+    return Attention(cfg)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_qkv_fused_matches_separate_and_falls_back_when_unfused(bias):
+    attn = tiny_attention(bias)
+    x = torch.randn(9, 48)
+    separate = A.qkv_separate(attn, x)
+    unfused = A.qkv_fused(attn, x)
+    for a, b in zip(unfused, separate):
+        assert torch.equal(a, b)
+    attn.qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    if bias:
+        attn.qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+    fused = A.qkv_fused(attn, x)
+    assert [t.shape for t in fused] == [(9, N_HEADS * D), (9, N_KV * D), (9, N_KV * D)]
+    for a, b in zip(fused, separate):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_default_table_is_the_plain_family_and_fast_slots_are_patch_points():
+    policy, sampler = object(), object()
+    table = A.default_slots(policy, sampler)
+    model_side = {"kv.store", "kv.gather", "attention.prefill", "attention.decode", "linear.qkv"}
+    assert model_side | {"sampler", "scheduler.policy"} <= set(table) <= set(SLOT_NAMES)
+    assert table["attention.decode"] is A.decode_attention_per_seq
+    assert table["scheduler.policy"] is policy and table["sampler"] is sampler
+    fast = table.with_slots(A.FAST_SLOTS)
+    assert fast["attention.prefill"] is A.prefill_attention_fused
+    assert all(fast[name] is not table[name] for name in A.FAST_SLOTS)

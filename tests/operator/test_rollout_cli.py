@@ -1,0 +1,92 @@
+"""`graft rollout` (and `kubectl graft`): each verb changes one field; status shows the numbers."""
+import asyncio
+
+import pytest
+from rich.console import Console
+
+from graft.devcluster.kubeconfig import write_kubeconfig
+from graft.operator.cli import main_rollout
+from graft.operator.kube import rollout_path
+
+from operator_cluster import create, get_rollout, manifest
+
+pytestmark = pytest.mark.timeout(60)
+
+STATUS = {
+    "phase": "Progressing", "reason": "Progressing", "message": "step 2/3: weight 50%, 2 of 4 pods canary",
+    "patch": "kv-align@3.2.1", "stepIndex": 1, "weight": 50, "stableRevision": "base",
+    "canaryRevision": "kv-align@3.2.1",
+    "pods": [{"name": "engine-0", "track": "canary", "revision": "kv-align@3.2.1", "restartCount": 1,
+              "patchedAt": "2026-01-01T00:00:00.000Z"},
+             {"name": "engine-1", "track": "stable", "revision": "base", "restartCount": 0}],
+    "analysis": {"lastRun": "2026-01-01T00:00:05.000Z", "verdict": "Inconclusive", "results": [
+        {"name": "error-rate", "value": 0.0123, "threshold": "<= 0.005", "window": "60s", "verdict": "Failed",
+         "breaches": 1, "message": "error-rate 0.0123 breaches <= 0.005 over 60s (breach 1/3)"},
+        {"name": "latency-p99", "value": 0.31, "threshold": "<= 0.8", "window": "30s", "verdict": "Successful",
+         "breaches": 0, "dryRun": True}]},
+}
+
+
+@pytest.fixture
+async def rollout(cluster, namespace, prometheus, tmp_path):
+    await create(cluster, namespace, manifest(prometheus))
+    await cluster.kube.merge_patch(rollout_path(namespace, "kv-align") + "/status", {"status": STATUS})
+    kubeconfig = cluster.kubeconfig or str(write_kubeconfig(tmp_path / "kubeconfig", cluster.url, namespace=namespace))
+    return kubeconfig
+
+
+async def cli(kubeconfig, namespace, *argv):
+    console = Console(record=True, width=220, force_terminal=False)
+    code = await asyncio.to_thread(main_rollout, [*argv, "-n", namespace, "--kubeconfig", kubeconfig], console)
+    return code, console.export_text()
+
+
+async def test_status_shows_step_weight_pods_and_metrics_against_thresholds(cluster, namespace, rollout):
+    code, out = await cli(rollout, namespace, "status", "kv-align")
+    assert code == 0
+    for text in ("Progressing", "2/3", "50%", "kv-align@3.2.1", "engine-0", "canary", "error-rate", "0.0123",
+                 "<= 0.005", "Failed", "breach 1/3", "latency-p99 (dry run)", "Inconclusive"):
+        assert text in out, text
+
+
+async def test_pause_and_resume_set_spec_paused(cluster, namespace, rollout):
+    assert (await cli(rollout, namespace, "pause", "kv-align"))[0] == 0
+    assert (await get_rollout(cluster.kube, namespace, "kv-align"))["spec"]["paused"] is True
+    assert (await cli(rollout, namespace, "resume", "kv-align"))[0] == 0
+    assert (await get_rollout(cluster.kube, namespace, "kv-align"))["spec"]["paused"] is False
+
+
+@pytest.mark.parametrize("argv,key,value", [
+    (["promote"], "graft.dev/promote", "step"),
+    (["promote", "--full"], "graft.dev/promote", "full"),
+    (["abort"], "graft.dev/abort", "true"),
+])
+async def test_promote_and_abort_set_their_annotation(cluster, namespace, rollout, argv, key, value):
+    code, out = await cli(rollout, namespace, *argv, "kv-align")
+    assert code == 0, out
+    assert (await get_rollout(cluster.kube, namespace, "kv-align"))["metadata"]["annotations"][key] == value
+
+
+async def test_finished_rollout_cannot_be_promoted_or_aborted(cluster, namespace, rollout):
+    await cluster.kube.merge_patch(rollout_path(namespace, "kv-align") + "/status", {"status": {"phase": "Promoted"}})
+    for verb in ("promote", "abort"):
+        code, out = await cli(rollout, namespace, verb, "kv-align")
+        assert code == 1 and "is Promoted" in out
+
+
+async def test_unknown_rollout_is_an_error(cluster, namespace, rollout):
+    code, out = await cli(rollout, namespace, "status", "nope")
+    assert code == 1 and f"PatchRollout {namespace}/nope not found" in out
+
+
+async def test_status_watch_follows_until_the_rollout_finishes(cluster, namespace, rollout):
+    console = Console(record=True, width=220, force_terminal=False)
+    watch = asyncio.create_task(asyncio.to_thread(
+        main_rollout, ["status", "kv-align", "-w", "--interval", "0.1", "-n", namespace, "--kubeconfig", rollout],
+        console))
+    await asyncio.sleep(0.5)
+    assert not watch.done()
+    await cluster.kube.merge_patch(rollout_path(namespace, "kv-align") + "/status",
+                                   {"status": {"phase": "Promoted", "stepIndex": 2, "weight": 100}})
+    assert await asyncio.wait_for(watch, 10) == 0
+    assert "Promoted" in console.export_text()

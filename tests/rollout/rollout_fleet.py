@@ -1,0 +1,173 @@
+"""A fake fleet of engine pods and a fake operator loop around `decide`, for the state machine tests."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from graft.rollout.decision import ClearPromote, Decision, LabelPod, PatchPod, SetWeight, UnpatchPod
+from graft.rollout.machine import decide, known_revision
+from graft.rollout.observation import Controls, Measurement, Observation, PodError, PodObservation, Problem
+from graft.rollout.revision import has_patch, with_patch, without_patch
+from graft.rollout.spec import RolloutSpec
+from graft.rollout.spec import parse_spec
+from graft.rollout.status import RolloutStatus
+
+BASE = {
+    "selector": {"matchLabels": {"app": "llm-engine"}},
+    "patch": {"name": "kv-align", "version": "3.2.1", "source": {"builtin": {}}},
+    "steps": [{"weight": 1, "pause": "10s"}, {"weight": 50, "pause": "10s"}, {"weight": 100}],
+    "analysis": {"interval": "5s"},
+    "progressDeadline": "2m",
+}
+
+
+def make_spec(**changes):
+    spec = {k: (dict(v) if isinstance(v, dict) else v) for k, v in BASE.items()}
+    for key, value in changes.items():
+        if key.startswith("analysis_"):
+            spec["analysis"] = {**spec["analysis"], key.removeprefix("analysis_"): value}
+        else:
+            spec[key] = value
+    return parse_spec(spec)
+
+
+@dataclass
+class FakePod:
+    name: str
+    revision: str = "base"
+    uid: str = ""
+    container: int = 1
+    restarts: int = 0
+    ready: bool = True
+    track: str | None = None
+    patches: str | None = None
+    refuse: PodError | None = None       # the engine answers POST with this error
+    unreachable: bool = False
+
+    @property
+    def container_id(self) -> str:
+        return f"containerd://{self.name}-{self.container}"
+
+
+@dataclass
+class Fleet:
+    spec: RolloutSpec
+    pods: dict[str, FakePod] = field(default_factory=dict)
+    route_weight: int | None = None
+    promote: str | None = None
+    abort: bool = False
+    problem: Problem | None = None
+    posts: dict[str, int] = field(default_factory=dict)
+    deletes: dict[str, int] = field(default_factory=dict)
+    events: list = field(default_factory=list)
+    created_at: float = 0.0
+
+    @classmethod
+    def of(cls, spec: RolloutSpec, n: int, gateway: bool = False) -> "Fleet":
+        fleet = cls(spec, route_weight=0 if gateway else None)
+        for i in range(n):
+            fleet.add(f"pod-{i}")
+        return fleet
+
+    def add(self, name: str, revision: str = "base") -> None:
+        self.pods[name] = FakePod(name, revision, uid=f"uid-{name}")
+
+    def restart(self, name: str, keep_patch: bool = False) -> None:
+        pod = self.pods[name]
+        pod.container += 1
+        pod.restarts += 1
+        if not keep_patch:
+            pod.revision = without_patch(pod.revision, self.spec.patch.ref)
+
+    @property
+    def ref(self) -> str:
+        return self.spec.patch.ref
+
+    def patched(self) -> set[str]:
+        return {n for n, p in self.pods.items() if has_patch(p.revision, self.ref)}
+
+    def observe(self, status: RolloutStatus, errors: dict[str, PodError],
+                measurements: list[Measurement] | None, answered: dict[str, str] | None = None) -> Observation:
+        """What the operator sees: recorded revisions, the engines' answers this tick, else a GET."""
+        pods = []
+        for p in self.pods.values():
+            obs = PodObservation(p.name, p.uid, p.container_id, p.restarts, p.ready, p.track, p.patches)
+            obs.revision = (answered or {}).get(p.name) or known_revision(status, obs)
+            if obs.revision is None:
+                if p.unreachable:
+                    obs.error = PodError("unreachable", "connection refused")
+                else:
+                    obs.revision = p.revision
+            if p.name in errors:
+                obs.error = errors[p.name]
+                if obs.error.kind == "unreachable":
+                    obs.revision = None         # the answer never came: state unknown
+            pods.append(obs)
+        return Observation(pods, measurements, self.route_weight, Controls(self.promote, self.abort),
+                           self.problem, self.created_at)
+
+    def execute(self, d: Decision, answered: dict[str, str]) -> dict[str, PodError]:
+        errors = {}
+        for a in d.actions:
+            if isinstance(a, PatchPod):
+                pod = self.pods[a.pod]
+                self.posts[a.pod] = self.posts.get(a.pod, 0) + 1
+                if pod.unreachable:
+                    errors[a.pod] = PodError("unreachable", "connection refused")
+                elif pod.refuse is not None:
+                    errors[a.pod] = pod.refuse
+                else:
+                    pod.revision = answered[a.pod] = with_patch(pod.revision, self.ref)
+            elif isinstance(a, UnpatchPod):
+                pod = self.pods[a.pod]
+                self.deletes[a.pod] = self.deletes.get(a.pod, 0) + 1
+                if pod.unreachable:
+                    errors[a.pod] = PodError("unreachable", "connection refused")
+                else:
+                    pod.revision = answered[a.pod] = without_patch(pod.revision, self.ref)
+            elif isinstance(a, LabelPod):
+                self.pods[a.pod].track, self.pods[a.pod].patches = a.track, a.revision
+            elif isinstance(a, SetWeight):
+                self.route_weight = a.weight
+            elif isinstance(a, ClearPromote):
+                self.promote = None
+        return errors
+
+    def tick(self, status: RolloutStatus, now: float,
+             measurements: list[Measurement] | None = None) -> RolloutStatus:
+        """One operator tick: decide, act, decide again until nothing is left to do."""
+        errors: dict[str, PodError] = {}
+        answered: dict[str, str] = {}
+        for _ in range(4):
+            d = decide(self.spec, status, self.observe(status, errors, measurements, answered), now)
+            status, measurements = d.status, None
+            self.events += d.events
+            if not d.actions:
+                break
+            errors.update(self.execute(d, answered))
+        return status
+
+    def reasons(self) -> list[str]:
+        return [e.reason for e in self.events]
+
+
+def healthy(spec: RolloutSpec, requests: float = 1000) -> list[Measurement]:
+    """A measurement for every check, each right at the middle of its threshold."""
+    out = []
+    for c in spec.analysis.metrics:
+        if c.max is not None and c.min is not None:
+            value = (c.max + c.min) / 2
+        elif c.max is not None:
+            value = c.max / 2
+        else:
+            value = c.min + (1 - c.min) / 2
+        out.append(Measurement(c.name, value, requests, requests if c.comparison else None))
+    return out
+
+
+def breaching(spec: RolloutSpec, name: str, requests: float = 1000) -> list[Measurement]:
+    out = healthy(spec, requests)
+    check = next(c for c in spec.analysis.metrics if c.name == name)
+    for m in out:
+        if m.name == name:
+            m.value = check.max * 10 if check.max is not None else check.min / 2
+    return out

@@ -1,0 +1,440 @@
+"""The step state machine, driven by a fake fleet and a fake clock."""
+import pytest
+
+from graft.rollout.decision import PatchPod
+from graft.rollout.machine import analysis_due, canary_target, decide
+from graft.rollout.observation import Measurement, PodError, Problem
+from graft.rollout.status import RolloutStatus
+
+from rollout_fleet import Fleet, breaching, healthy, make_spec
+
+
+def drive(fleet, status, start, until, measure=healthy, step=1.0, stop=None):
+    """Tick once a second from `start` to `until`, measuring whenever analysis is due."""
+    now = start
+    while now <= until:
+        m = measure(fleet.spec) if measure and analysis_due(fleet.spec, status, now) else None
+        status = fleet.tick(status, now, m)
+        if stop and stop(status):
+            break
+        now += step
+    return status, now
+
+
+@pytest.mark.parametrize("pods,weight,expected", [
+    (3, 1, 1), (3, 5, 1), (3, 34, 2), (3, 50, 2), (3, 100, 3), (10, 20, 2), (10, 21, 3), (1, 1, 1), (0, 50, 0),
+])
+def test_canary_count_is_ceil_of_share_and_at_least_one(pods, weight, expected):
+    assert canary_target(pods, weight) == expected
+
+
+def test_promoted_step_by_step_with_events_in_order(spec):
+    fleet = Fleet.of(spec, 4)
+    status, _ = drive(fleet, RolloutStatus(), 0, 200, stop=lambda s: s.phase == "Promoted")
+    assert status.phase == "Promoted"
+    assert fleet.patched() == set(fleet.pods)
+    assert status.stable_revision == status.canary_revision == "kv-align@3.2.1"
+    assert all(p.track == "stable" and p.patches == "kv-align@3.2.1" for p in fleet.pods.values())
+    starts = [e.message for e in fleet.events if e.reason == "StepStarted"]
+    assert [m.split(":")[0] for m in starts] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert "1 of 4 pods" in starts[0] and "2 of 4 pods" in starts[1] and "4 of 4 pods" in starts[2]
+    reasons = fleet.reasons()
+    assert reasons.index("PodsPatched") < reasons.index("AnalysisPassed") < reasons.index("Promoted")
+    assert reasons.count("WeightSet") == 3 and reasons[-1] == "Promoted"
+    assert max(fleet.posts.values()) == 1, "each pod is patched exactly once"
+
+
+def test_step_advances_only_after_pause_and_analysis(spec):
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    status = fleet.tick(status, 9.9, healthy(spec))
+    assert status.step_index == 0, "pause of 10 s not over"
+    status = fleet.tick(status, 10.0)
+    assert status.step_index == 1 and len(fleet.patched()) == 2
+    # the second step's pause is over at 20, but no run since the step was in place
+    status = fleet.tick(status, 21)
+    assert status.step_index == 1
+    status = fleet.tick(status, 21.5, healthy(spec))
+    assert status.step_index == 2 and fleet.patched() == set(fleet.pods)
+
+
+def test_failing_metric_rolls_back_after_consecutive_breaches():
+    spec = make_spec()   # error-rate: consecutive 3
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    for i, t in enumerate((5, 10, 15)):
+        status = fleet.tick(status, t, breaching(spec, "error-rate"))
+        if i < 2:
+            assert status.phase == "Progressing" and status.analysis.result("error-rate").breaches == i + 1
+    assert status.phase == "RolledBack" and status.reason == "AnalysisFailed"
+    assert fleet.patched() == set()
+    assert "error-rate 0.05 breaches <= 0.005 over 60s (breach 3/3)" in status.message
+    assert fleet.reasons().count("AnalysisFailed") == 3
+    assert {"RollingBack", "RolledBack"} <= set(fleet.reasons())
+
+
+def test_a_passing_run_resets_the_breach_count():
+    spec = make_spec()
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    status = fleet.tick(status, 5, breaching(spec, "error-rate"))
+    status = fleet.tick(status, 6, breaching(spec, "error-rate"))
+    status = fleet.tick(status, 7, healthy(spec))
+    assert status.analysis.result("error-rate").breaches == 0
+    status = fleet.tick(status, 8, breaching(spec, "error-rate"))
+    assert status.phase == "Progressing"
+
+
+def test_single_breach_rolls_back_a_check_with_consecutive_one():
+    spec = make_spec()
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    status = fleet.tick(status, 5, breaching(spec, "latency-p99"))
+    assert status.phase == "RolledBack"
+    assert "latency-p99 8 breaches <= 0.8 over 30s (breach 1/1)" in status.message
+
+
+def no_data(spec):
+    return [Measurement(c.name, None, 0, 0 if c.comparison else None) for c in spec.analysis.metrics]
+
+
+def test_no_data_hold_keeps_the_step_then_the_deadline_rolls_back():
+    spec = make_spec(analysis_noData="hold")
+    fleet = Fleet.of(spec, 2)
+    status, now = drive(fleet, RolloutStatus(), 0, 60, measure=no_data)
+    assert status.phase == "Progressing" and status.step_index == 0
+    assert status.analysis.verdict == "Inconclusive"
+    assert all(r.verdict == "Inconclusive" or r.name == "cpu" for r in status.analysis.results)
+    assert "fewer than minRequests 20" in status.analysis.result("error-rate").message
+    assert fleet.reasons().count("AnalysisInconclusive") == 1, "one event per change, not per run"
+    status, _ = drive(fleet, status, now, 200, measure=no_data, stop=lambda s: s.phase != "Progressing")
+    assert status.phase == "RolledBack" and status.reason == "ProgressDeadlineExceeded"
+    assert "analysis Inconclusive" in status.message
+
+
+def test_no_data_fail_counts_as_a_breach():
+    spec = make_spec(analysis_noData="fail")
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    status = fleet.tick(status, 5, no_data(spec))
+    assert status.phase == "RolledBack" and "noData: fail" in status.message
+
+
+def test_no_data_pass_lets_the_rollout_through():
+    spec = make_spec(analysis_noData="pass")
+    fleet = Fleet.of(spec, 2)
+    status, _ = drive(fleet, RolloutStatus(), 0, 100, measure=no_data, stop=lambda s: s.phase == "Promoted")
+    assert status.phase == "Promoted"
+
+
+def test_too_few_requests_is_no_data():
+    spec = make_spec()
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    status = fleet.tick(status, 5, healthy(spec, requests=19))
+    assert status.analysis.verdict == "Inconclusive"
+    status = fleet.tick(status, 10, healthy(spec, requests=20))
+    assert status.analysis.verdict == "Successful"
+
+
+def test_dry_run_check_is_reported_but_never_decides():
+    spec = make_spec(analysis_metrics=[{"name": "error-rate", "max": 0.01},
+                                       {"name": "latency-p99", "max": 0.5, "dryRun": True}])
+    fleet = Fleet.of(spec, 2)
+    bad_latency = lambda s: [Measurement("error-rate", 0.0, 100), Measurement("latency-p99", 3.0, 100)]
+    status, _ = drive(fleet, RolloutStatus(), 0, 100, measure=bad_latency, stop=lambda s: s.phase == "Promoted")
+    assert status.phase == "Promoted"
+    latency = status.analysis.result("latency-p99")
+    assert latency.verdict == "Failed" and latency.dry_run and latency.breaches > 1
+
+
+def test_provider_error_holds_and_never_promotes():
+    spec = make_spec()
+    fleet = Fleet.of(spec, 2)
+    down = lambda s: [Measurement(c.name, error="Prometheus unreachable") for c in s.analysis.metrics]
+    status, _ = drive(fleet, RolloutStatus(), 0, 100, measure=down)
+    assert status.phase == "Progressing" and status.step_index == 0 and status.analysis.verdict == "Error"
+    status, _ = drive(fleet, status, 101, 300, measure=down, stop=lambda s: s.phase != "Progressing")
+    assert status.phase == "RolledBack" and status.reason == "ProgressDeadlineExceeded"
+
+
+def test_pause_holds_resume_restarts_the_step_clock():
+    spec = make_spec()
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    paused = make_spec(paused=True)
+    fleet.spec = paused
+    status, _ = drive(fleet, status, 1, 100)
+    assert status.phase == "Paused" and status.step_index == 0 and fleet.reasons().count("Paused") == 1
+    assert status.analysis.last_run is not None, "a paused rollout keeps being analysed"
+    fleet.spec = spec
+    status = fleet.tick(status, 101, healthy(spec))
+    assert status.phase == "Progressing" and "Resumed" in fleet.reasons()
+    assert status.step_started_at == 101 and status.step_index == 0
+    status, _ = drive(fleet, status, 102, 110)
+    assert status.step_index == 0, "the pause starts over after a resume"
+    status, _ = drive(fleet, status, 111, 120)
+    assert status.step_index == 1
+
+
+def test_failing_analysis_rolls_back_even_while_paused():
+    spec = make_spec(paused=False)
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.spec = make_spec(paused=True)
+    status = fleet.tick(status, 1)
+    status = fleet.tick(status, 6, breaching(fleet.spec, "latency-p99"))
+    assert status.phase == "RolledBack"
+
+
+def test_created_paused_patches_nothing():
+    spec = make_spec(paused=True)
+    fleet = Fleet.of(spec, 2)
+    status, _ = drive(fleet, RolloutStatus(), 0, 30)
+    assert status.phase == "Pending" and fleet.patched() == set() and status.reason == "Paused"
+
+
+def test_promote_step_skips_the_rest_of_the_step(spec):
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.promote = "step"
+    status = fleet.tick(status, 1)
+    assert status.step_index == 1 and len(fleet.patched()) == 2 and fleet.promote is None
+    assert "PromotedByUser" in fleet.reasons()
+
+
+def test_promote_full_patches_everything_and_promotes_without_analysis(spec):
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.promote = "full"
+    status = fleet.tick(status, 1)
+    assert status.phase == "Promoted" and fleet.patched() == set(fleet.pods)
+    assert status.analysis.last_run is None
+
+
+def test_invalid_promote_value_is_refused_with_an_event(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.promote = "everything"
+    status = fleet.tick(status, 1)
+    assert status.step_index == 0 and "InvalidControl" in fleet.reasons() and fleet.promote is None
+
+
+def test_abort_reverts_every_canary(spec):
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    status = fleet.tick(status, 10, healthy(spec))
+    assert len(fleet.patched()) == 2
+    fleet.abort = True
+    status = fleet.tick(status, 11)
+    assert status.phase == "RolledBack" and status.reason == "Aborted" and fleet.patched() == set()
+    assert {"Aborted", "RollingBack", "RolledBack"} <= set(fleet.reasons())
+    assert all(p.track == "stable" and p.patches == "base" for p in fleet.pods.values())
+
+
+def test_restarted_canary_is_patched_again(spec):
+    fleet = Fleet.of(spec, 3)
+    status = fleet.tick(RolloutStatus(), 0)
+    (canary,) = fleet.patched()
+    fleet.restart(canary)
+    status = fleet.tick(status, 1)
+    assert canary in fleet.patched() and fleet.posts[canary] == 2
+    assert "PodRepatched" in fleet.reasons()
+    assert status.pod(canary).restart_count == 1
+
+
+def test_restarted_canary_that_came_back_patched_is_not_posted_again(spec):
+    fleet = Fleet.of(spec, 3)
+    status = fleet.tick(RolloutStatus(), 0)
+    (canary,) = fleet.patched()
+    fleet.restart(canary, keep_patch=True)
+    status = fleet.tick(status, 1)
+    assert fleet.posts[canary] == 1 and "PodRepatched" not in fleet.reasons()
+
+
+def test_vanished_canary_is_dropped_and_replaced(spec):
+    fleet = Fleet.of(spec, 3)
+    status = fleet.tick(RolloutStatus(), 0)
+    (canary,) = fleet.patched()
+    del fleet.pods[canary]
+    status = fleet.tick(status, 1)
+    assert status.pod(canary) is None and "PodDropped" in fleet.reasons()
+    assert len(fleet.patched()) == 1 and canary not in fleet.patched()
+
+
+def test_new_pod_joins_as_stable(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.add("pod-new")
+    status = fleet.tick(status, 1)
+    assert status.pod("pod-new").track == "stable" and fleet.pods["pod-new"].track == "stable"
+
+
+def test_operator_restart_resumes_without_repatching(spec):
+    fleet = Fleet.of(spec, 4)
+    status, _ = drive(fleet, RolloutStatus(), 0, 12)
+    assert status.step_index == 1
+    posts = dict(fleet.posts)
+    stored = RolloutStatus.from_dict(status.to_dict())     # what a new operator reads back
+    for name in fleet.pods:                                  # and it believes nothing it did not store
+        fleet.pods[name].track = fleet.pods[name].track
+    again = fleet.tick(stored, 13)
+    assert fleet.posts == posts and again.step_index == 1 and again.phase == "Progressing"
+
+
+def test_decide_is_idempotent(spec):
+    fleet = Fleet.of(spec, 3)
+    status = fleet.tick(RolloutStatus(), 0)
+    obs = fleet.observe(status, {}, healthy(spec))
+    a, b = decide(spec, status, obs, 7), decide(spec, status, obs, 7)
+    assert a == b
+
+
+def test_unknown_patch_fails_and_reverts_what_was_patched(spec):
+    fleet = Fleet.of(spec, 4)
+    status, _ = drive(fleet, RolloutStatus(), 0, 10)
+    assert len(fleet.patched()) == 2
+    for name in fleet.pods:
+        if name not in fleet.patched():
+            fleet.pods[name].refuse = PodError("unknown-patch", "no built-in patch kv-align@3.2.1")
+    status, _ = drive(fleet, status, 11, 30)
+    assert status.phase == "Failed" and status.reason == "UnknownPatch"
+    assert "no built-in patch" in status.message and fleet.patched() == set()
+    assert "UnknownPatch" in fleet.reasons()
+
+
+def test_unknown_patch_on_the_first_pod_fails(spec):
+    fleet = Fleet.of(spec, 2)
+    for pod in fleet.pods.values():
+        pod.refuse = PodError("unknown-patch", "404 no built-in patch kv-align@3.2.1")
+    status = fleet.tick(RolloutStatus(), 0)
+    assert status.phase == "Failed" and status.reason == "UnknownPatch"
+
+
+def test_verify_failure_rolls_back(spec):
+    fleet = Fleet.of(spec, 2)
+    fleet.pods["pod-0"].refuse = PodError("verify-failed", "failed its self-check and was reverted")
+    status = fleet.tick(RolloutStatus(), 0)
+    assert status.phase == "RolledBack" and status.reason == "PatchVerifyFailed"
+
+
+def test_unreachable_engine_holds_with_a_message_then_recovers(spec):
+    fleet = Fleet.of(spec, 2)
+    status, _ = drive(fleet, RolloutStatus(), 0, 10)
+    assert status.step_index == 1 and fleet.patched() == {"pod-0"}
+    fleet.pods["pod-1"].unreachable = True
+    status = fleet.tick(status, 21, healthy(spec))
+    assert status.step_index == 2 and status.phase == "Progressing"
+    assert "pods not in place: pod-1 (pod-1: connection refused)" in status.message
+    fleet.pods["pod-1"].unreachable = False
+    status = fleet.tick(status, 22)
+    assert fleet.patched() == {"pod-0", "pod-1"}
+
+
+def test_no_pods_is_pending_then_failed_at_the_deadline(spec):
+    fleet = Fleet.of(spec, 0)
+    status = fleet.tick(RolloutStatus(), 0)
+    assert status.phase == "Pending" and "no ready pods match the selector app=llm-engine" in status.message
+    status = fleet.tick(status, 60)
+    assert fleet.reasons() == ["NoPods"], "one event, not one per tick"
+    status = fleet.tick(status, 121)
+    assert status.phase == "Failed" and status.reason == "ProgressDeadlineExceeded"
+
+
+def test_transient_problem_waits_with_one_event(spec):
+    fleet = Fleet.of(spec, 2)
+    fleet.problem = Problem("SecretMissing", "Secret graft/admin-token not found")
+    status = fleet.tick(RolloutStatus(), 0)
+    status = fleet.tick(status, 1)
+    assert status.phase == "Pending" and status.message == "Secret graft/admin-token not found"
+    assert fleet.reasons() == ["SecretMissing"] and fleet.patched() == set()
+    fleet.problem = None
+    status = fleet.tick(status, 2)
+    assert status.phase == "Progressing"
+
+
+def test_permanent_problem_mid_rollout_reverts_and_fails(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.problem = Problem("DigestMismatch", "bundle digest sha256:aa != pinned sha256:bb", permanent=True)
+    status = fleet.tick(status, 1)
+    assert status.phase == "Failed" and status.reason == "DigestMismatch" and fleet.patched() == set()
+
+
+def test_gateway_route_follows_pods_and_returns_to_stable_first_on_rollback():
+    spec = make_spec(trafficRouting={"gatewayAPI": {"httpRoute": "llm", "stableService": "llm-stable",
+                                                    "canaryService": "llm-canary"}})
+    fleet = Fleet.of(spec, 4, gateway=True)
+    status = fleet.tick(RolloutStatus(), 0)
+    assert fleet.route_weight == 1 and status.weight == 1
+    assert "HTTPRoute llm sends 1% to llm-canary" in [e.message for e in fleet.events if e.reason == "WeightSet"][0]
+    d = decide(spec, status, fleet.observe(status, {}, breaching(spec, "latency-p99")), 5)
+    kinds = [type(a).__name__ for a in d.actions]
+    assert kinds.index("SetWeight") < kinds.index("UnpatchPod"), "traffic leaves the canary before the revert"
+
+
+def test_gateway_promotion_moves_everything_to_stable():
+    spec = make_spec(trafficRouting={"gatewayAPI": {"httpRoute": "llm", "stableService": "llm-stable",
+                                                    "canaryService": "llm-canary"}})
+    fleet = Fleet.of(spec, 2, gateway=True)
+    status, _ = drive(fleet, RolloutStatus(), 0, 100, stop=lambda s: s.phase == "Promoted")
+    assert status.phase == "Promoted" and fleet.route_weight == 0
+    assert all(p.track == "stable" for p in fleet.pods.values())
+
+
+def test_final_phases_do_nothing(spec):
+    fleet = Fleet.of(spec, 2)
+    fleet.abort = True
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.abort, fleet.promote = False, "full"
+    d = decide(spec, status, fleet.observe(status, {}, healthy(spec)), 50)
+    assert d.actions == [] and d.events == [] and d.status.phase == "RolledBack"
+
+
+def test_spec_patch_change_mid_rollout_rolls_back(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.spec = make_spec(patch={"name": "kv-align", "version": "3.2.2"})
+    status = fleet.tick(status, 1)
+    assert status.phase == "RolledBack" and status.reason == "PatchChanged"
+    assert not any("kv-align" in p.revision for p in fleet.pods.values())
+
+
+def test_comparison_checks_are_skipped_once_no_stable_pod_is_left(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.promote = "full"
+    fleet.spec = spec
+    status = fleet.tick(status, 1)
+    assert status.phase == "Promoted"
+    fleet2 = Fleet.of(spec, 2)
+    s2 = fleet2.tick(RolloutStatus(), 0)
+    s2 = fleet2.tick(s2, 10, healthy(spec))
+    s2 = fleet2.tick(s2, 20, healthy(spec))
+    s2 = fleet2.tick(s2, 25, healthy(spec))
+    assert s2.step_index == 2
+    assert s2.analysis.result("error-rate-delta").verdict in ("Skipped", "Successful")
+
+
+def test_analysis_waits_an_interval_after_the_first_canary(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    assert not analysis_due(spec, status, 4.9) and analysis_due(spec, status, 5)
+
+
+def test_actions_only_touch_ready_pods(spec):
+    fleet = Fleet.of(spec, 2)
+    fleet.pods["pod-0"].ready = False
+    status = fleet.tick(RolloutStatus(), 0)
+    assert fleet.patched() == {"pod-1"}
+    d = decide(spec, status, fleet.observe(status, {}, None), 1)
+    assert not [a for a in d.actions if isinstance(a, PatchPod)]
+
+
+def test_a_run_from_the_tick_that_put_a_step_in_place_does_not_count_for_it(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    status = fleet.tick(status, 10, healthy(spec))      # step 1 done; step 2 put in place at 10
+    assert status.step_index == 1 and status.step_ready_at == 10 and status.analysis.last_run == 10
+    status = fleet.tick(status, 20)
+    assert status.step_index == 1, "the run at 10 measured step 1, not step 2"
