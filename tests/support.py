@@ -99,11 +99,11 @@ def wait_ready(eng: EngineProcess, timeout: float = 120) -> None:
     raise TimeoutError(f"engine not ready after {timeout}s:\n{eng.log()}")
 
 
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels` in Prometheus text format."""
+def metric_value(text: str, metric: str, /, **labels: str) -> float:
+    """Sum of the samples of `metric` whose labels include `labels` in Prometheus text format."""
     total = 0.0
     for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
+        if not line.startswith(metric + "{") and not line.startswith(metric + " "):
             continue
         head, _, value = line.rpartition(" ")
         if all(f'{k}="{v}"' in head for k, v in labels.items()):

@@ -21,14 +21,19 @@ class BaselineResult:
     prompt_tokens: int          # real (unpadded) prompt tokens
     padded_tokens: int          # prompt tokens after left padding, what the forward passes computed
     duration_s: float           # generate calls only: loading and warm-up are excluded
+    cpu_s: float                # CPU time of this process during those calls (all threads)
     load_s: float
 
     @property
     def output_tok_s(self) -> float:
         return self.output_tokens / self.duration_s
 
+    @property
+    def tok_per_cpu_s(self) -> float:
+        return self.output_tokens / self.cpu_s
+
     def as_dict(self) -> dict[str, float | int]:
-        return {**asdict(self), "output_tok_s": self.output_tok_s}
+        return {**asdict(self), "output_tok_s": self.output_tok_s, "tok_per_cpu_s": self.tok_per_cpu_s}
 
 
 def _load(model: str | None, dtype: str):
@@ -36,6 +41,12 @@ def _load(model: str | None, dtype: str):
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    # its per-tensor progress bar and a GGUF dtype notice that does not apply to llama files, which
+    # transformers dequantizes into a plain dense model in the asked dtype
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
     from graft.engine.loader import default_model_path
 
@@ -71,17 +82,18 @@ def hf_generate(prompts: Sequence[str], *, model: str | None = None, dtype: str 
         warm = tokenizer(["Hello there"], return_tensors="pt")
         lm.generate(**warm, **{**gen_kw, "max_new_tokens": 2, "min_new_tokens": 2})
         out_tokens = prompt_tokens = padded = 0
-        duration = 0.0
+        duration = cpu = 0.0
         for start in range(0, len(prompts), batch_size):
             batch = list(prompts[start:start + batch_size])
             enc = tokenizer(batch, return_tensors="pt", padding=True)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             out = lm.generate(**enc, **gen_kw)
             duration += time.perf_counter() - t1
+            cpu += time.process_time() - c1
             new = out[:, enc["input_ids"].shape[1]:]
             out_tokens += new.numel()  # min_new_tokens == max_new_tokens: every row is full length
             prompt_tokens += int(enc["attention_mask"].sum())
             padded += int(enc["input_ids"].numel())
             if on_batch is not None:
                 on_batch(len(batch))
-    return BaselineResult(len(prompts), batch_size, out_tokens, prompt_tokens, padded, duration, load_s)
+    return BaselineResult(len(prompts), batch_size, out_tokens, prompt_tokens, padded, duration, cpu, load_s)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         report.console.print(f"[red]graft bench: {exc}[/]")
         return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per benchmark request
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     out = Path(args.out)

@@ -115,6 +115,19 @@ class EngineServer:
         self._log.close()
         self.log_path.unlink(missing_ok=True)
 
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time the engine process has used so far (Linux /proc); None elsewhere.
+
+        On a shared machine wall time moves with everyone else's load; CPU time much less so.
+        """
+        if self.proc is None:
+            return None
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def admin(self) -> "AdminClient":
         return AdminClient(self.admin_url, self.token)
 

@@ -14,13 +14,16 @@ the stream ended. From those:
 `LoadGenerator.run` is closed-loop: at most `concurrency` requests in flight, the next one sent as
 soon as one finishes. `LoadGenerator.run_until` keeps the same pressure up, cycling over its
 requests, until an event is set (background load while something else is measured).
+`LoadGenerator.run_at_rate` is open-loop: a fixed request rate, whatever the server's speed.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
+import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -128,7 +131,7 @@ class LoadReport:
     results: list[RequestResult]
     started_at: float
     finished_at: float
-    concurrency: int
+    concurrency: int            # 0 for an open-loop (fixed-rate) run
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -236,6 +239,43 @@ class LoadGenerator:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         todo = zip(itertools.count(), itertools.cycle(requests))
         return await self._drive(todo, concurrency, on_result, stop)
+
+    async def run_at_rate(self, stop: asyncio.Event, requests: Sequence[Request], rate: float, *,
+                          poisson: bool = False, seed: int = 0, on_result: OnResult | None = None) -> LoadReport:
+        """Open loop: send `rate` requests per second, cycling over `requests`, until `stop` is set.
+
+        Arrivals are evenly spaced, or exponentially spaced (a Poisson process) with `poisson`; a
+        slow server does not slow the arrivals down. Requests in flight when `stop` is set finish.
+        """
+        if not requests:
+            raise ValueError("run_at_rate needs at least one request to cycle over")
+        if rate <= 0:
+            raise ValueError(f"rate must be positive, got {rate}")
+        rng = random.Random(seed)
+        results: list[RequestResult] = []
+        tasks: set[asyncio.Task] = set()
+
+        async def one(index: int, request: Request) -> None:
+            result = await self.complete(request, index)
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+
+        started = time.perf_counter()
+        due = started
+        for index, request in zip(itertools.count(), itertools.cycle(requests)):
+            task = asyncio.create_task(one(index, request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            due += rng.expovariate(rate) if poisson else 1.0 / rate
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, due - time.perf_counter()))
+            if stop.is_set():
+                break
+        if tasks:
+            await asyncio.gather(*tasks)
+        results.sort(key=lambda r: r.index)
+        return LoadReport(results, started, time.perf_counter(), concurrency=0)
 
     async def _drive(self, todo, concurrency: int, on_result: OnResult | None,
                      stop: asyncio.Event | None) -> LoadReport:

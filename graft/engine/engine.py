@@ -114,6 +114,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.slots: SlotTable = default_slots(default_policy, sample_per_row).with_slots(
             {"request.outcome": no_outcome})
+        if self.device.type == "cuda":  # the Triton kernels serve the hot loops on a GPU
+            from graft.kernels.dispatch import kernel_slots
+            self.slots = self.slots.with_slots(kernel_slots(self.device))
         self.revision = "base"
         self.metrics = EngineMetrics()
         self.metrics.set_revision(None, self.revision)

@@ -197,3 +197,16 @@ def test_bench_refuses_bad_arguments_before_starting_anything(tmp_path):
     assert bench_main(parser.parse_args(["patches", "--patches", "kv-align", "--out", str(tmp_path)])) == 2
     assert bench_main(parser.parse_args(["apply", "--data-dir", str(tmp_path)])) == 2
     assert not any(tmp_path.iterdir())
+
+
+async def test_open_loop_load_keeps_its_rate_whatever_the_server_speed(fake):
+    stop = asyncio.Event()
+    async with LoadGenerator(fake.url) as gen:
+        task = asyncio.create_task(gen.run_at_rate(stop, [Request("x", max_tokens=3)], rate=20.0))
+        await asyncio.sleep(0.5)
+        stop.set()
+        rep = await task
+    # each request takes ~0.21 s, so a closed loop of one would have sent 2-3; 20/s sends ~10
+    assert 7 <= len(rep.results) <= 12
+    assert fake.max_in_flight >= 3 and not rep.errors
+    assert [r.index for r in rep.results] == list(range(len(rep.results)))

@@ -158,7 +158,8 @@ class Fleet:
         """The engine's revision, or None when it does not answer (restarting)."""
         try:
             return (await self.engine_patches(pod))["revision"]
-        except httpx.HTTPError:
+        except httpx.HTTPError as e:
+            print("DEBUG engine_revision", pod["metadata"]["name"], repr(e), time.time())
             return None
 
     async def revert_engine(self, pod: dict[str, Any], name: str) -> None:
@@ -204,6 +205,14 @@ class Fleet:
                 return last
             await asyncio.sleep(interval)
         raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+    def check_operator(self) -> None:
+        """Locally: fail at once, with its log, when the operator process has died."""
+        proc = self.local.operator_proc if self.local else None
+        if proc is not None and proc.poll() is not None:
+            assert self.workdir is not None
+            raise AssertionError(f"the operator exited with code {proc.returncode}\n"
+                                 + _tail(self.workdir / "operator.log", 40))
 
     async def restore_processes(self) -> None:
         """Locally: a Prometheus or operator that a scenario stopped runs again."""
@@ -361,6 +370,7 @@ class Recorder:
     async def until(self, done: Callable[[Sample], bool], timeout: float, what: str) -> Sample:
         """Wait until a sample satisfies `done`; returns that sample."""
         async def probe() -> Sample | None:
+            self.fleet.check_operator()
             s = self.last
             return s if s is not None and done(s) else None
         return await Fleet.wait_for(probe, timeout, f"{self.name}: {what}", interval=0.1)

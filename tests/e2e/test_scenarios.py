@@ -139,9 +139,16 @@ async def test_builtin_patch_is_promoted_step_by_step(fleet: Fleet, traffic: Cli
     weights = [s["weight"] for s in ro["spec"]["steps"]]
     assert weights == [1, 5, 20, 50, 100]
     started = time.time()
+    import sys; sys.path.insert(0, "/tmp/e2e-explore"); import lag
+    lags = []
+    mon = asyncio.create_task(lag.monitor(lags))
     async with Recorder(fleet, name, engines=True) as rec:
         await fleet.apply(ro)
         final = await rec.final(FINAL_TIMEOUT)
+    mon.cancel()
+    print("DEBUG lag max", max(lags), "p90", sorted(lags)[int(len(lags)*0.9)], "n", len(lags))
+    from graft.operator.pods import is_ready
+    print("DEBUG not-ready samples", [(round(s.t - started,1), [p["metadata"]["name"][-4:] for p in s.pods if not is_ready(p)]) for s in rec.samples if not all(is_ready(p) for p in s.pods)])
 
     assert final.phase == "Promoted", final.status.get("message")
     assert (final.status["stableRevision"], final.status["canaryRevision"]) == (revision, revision)
@@ -152,7 +159,8 @@ async def test_builtin_patch_is_promoted_step_by_step(fleet: Fleet, traffic: Cli
         assert {len(s.recorded("canary")) for s in seen} == {want}, f"step {i + 1}"
         # the pods themselves agree: labelled canary, and their engines answer with the patch
         assert any(len(s.labelled("canary")) == want and list(s.engines.values()).count(revision) == want
-                   for s in seen), f"step {i + 1}: never {want} canary pods running {revision}"
+                   for s in seen), (f"step {i + 1}: never {want} canary pods running {revision}: "
+                                    f"{[(s.labelled('canary'), s.engines) for s in seen]}")
     await assert_all_at(fleet, revision, "stable")
     for pod in await fleet.ready_pods():
         applied = (await fleet.engine_patches(pod))["applied"]
