@@ -40,6 +40,8 @@ def main(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per benchmark request
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # transformers' GGUF loader draws a tqdm bar per tensor; tqdm reads this when first imported
+    os.environ.setdefault("TQDM_DISABLE", "1")
     out = Path(args.out)
     suites = SUITES if args.suite == "all" else (args.suite,)
     errors = 0

@@ -36,7 +36,7 @@ class EngineOptions:
     device: str = "auto"
     kv_cache_memory: str = "2G"
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512
     prefix_caching: bool = True
     patches: str = ""
     extra_args: list[str] = field(default_factory=list)
@@ -186,5 +186,9 @@ class AdminClient:
 
 def _check(resp: httpx.Response) -> None:
     if resp.status_code != 200:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text[:300]
         raise RuntimeError(f"admin API {resp.request.method} {resp.request.url.path} answered "
-                           f"{resp.status_code}: {resp.text[:300]}")
+                           f"{resp.status_code}: {message}")

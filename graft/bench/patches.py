@@ -81,24 +81,31 @@ async def _revert_all(admin: AdminClient) -> None:
 async def _compare(server: EngineServer, cfg: PatchesConfig, prompts: list[str]) -> dict[str, Any]:
     requests = [Request(p, cfg.max_tokens) for p in prompts]
     passes: dict[str, list[LoadReport]] = {"3.2.0": [], "3.2.1": []}
+    cpu: dict[str, list[float]] = {"3.2.0": [], "3.2.1": []}
     applied: list[str] = []
     refused: dict[str, str] = {}
     async with LoadGenerator(server.url) as gen, server.admin() as admin:
-        await gen.run([WARMUP], 1)
+        # one long prompt first, so the first measured pass does not pay for first-touch allocations
+        await gen.run([WARMUP, Request(prompts[0], 2)], 1)
         for r in range(cfg.rounds):
             for label in ("3.2.0", "3.2.1"):
                 if label == "3.2.1":
                     applied, refused = await _apply_set(admin, cfg.patch_list)
+                cpu0 = server.cpu_seconds()
                 with report.progress_bar(f"{label} round {r + 1}/{cfg.rounds}", len(requests)) as advance:
                     passes[label].append(await gen.run(requests, cfg.concurrency, on_result=lambda _: advance(1)))
+                cpu1 = server.cpu_seconds()
+                if cpu0 is not None and cpu1 is not None:
+                    cpu[label].append(cpu1 - cpu0)
                 if label == "3.2.1":
                     await _revert_all(admin)
-    return {"passes": passes, "applied": applied, "refused": refused}
+    return {"passes": passes, "cpu": cpu, "applied": applied, "refused": refused}
 
 
-def _merge(reports: list[LoadReport]) -> dict[str, Any]:
+def _merge(reports: list[LoadReport], cpu: list[float]) -> dict[str, Any]:
     """Throughput averaged over passes; latency percentiles over every request of every pass."""
     summaries = [r.summary() for r in reports]
+    tokens = sum(s.output_tokens for s in summaries)
     lat = [x for r in reports for x in r.latencies()]
     ttft = [x for r in reports for x in r.ttfts()]
     tpot = [x for r in reports for x in r.tpots()]
@@ -107,19 +114,22 @@ def _merge(reports: list[LoadReport]) -> dict[str, Any]:
             "latency_p50": percentile(lat, 50), "latency_p99": percentile(lat, 99),
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
+            "cpu_s": cpu, "tok_per_cpu_s": tokens / sum(cpu) if cpu and sum(cpu) > 0 else None,
             "latency": lat, "ttft": ttft}
 
 
 def run_patches(cfg: PatchesConfig, out: Path) -> dict[str, Any]:
     """Plain paths against the 3.2.1 set on the same engine process; JSON and plots under `out`."""
+    machine = report.machine_info()
     prompts = long_prompts(cfg.num_prompts, cfg.data_dir)
     server = _server(cfg.engine, cfg, prefix_caching=False)
     try:
         measured = asyncio.run(_compare(server, cfg, [p.text for p in prompts]))
     finally:
         server.stop()
-    plain, fixed = _merge(measured["passes"]["3.2.0"]), _merge(measured["passes"]["3.2.1"])
-    result = {"suite": "patches", "command": report.command_line(), "machine": report.machine_info(),
+    plain = _merge(measured["passes"]["3.2.0"], measured["cpu"]["3.2.0"])
+    fixed = _merge(measured["passes"]["3.2.1"], measured["cpu"]["3.2.1"])
+    result = {"suite": "patches", "command": report.command_line(), "machine": machine,
               "config": {"num_prompts": cfg.num_prompts, "concurrency": cfg.concurrency,
                          "max_tokens": cfg.max_tokens, "rounds": cfg.rounds, "dtype": cfg.engine.dtype,
                          "patch_set": cfg.patch_set, "engine_args": cfg.engine.argv(),
@@ -127,7 +137,10 @@ def run_patches(cfg: PatchesConfig, out: Path) -> dict[str, Any]:
               "prompt_tokens_mean": plain["passes"][0].prompt_tokens / max(1, plain["passes"][0].requests),
               "applied": measured["applied"], "refused": measured["refused"],
               "plain": plain, "patched": fixed, "ratio": fixed["output_tok_s"] / plain["output_tok_s"],
-              "p99_latency_ratio": fixed["latency_p99"] / plain["latency_p99"]}
+              "p99_latency_ratio": fixed["latency_p99"] / plain["latency_p99"],
+              "cpu_ratio": (fixed["tok_per_cpu_s"] / plain["tok_per_cpu_s"]
+                            if fixed["tok_per_cpu_s"] and plain["tok_per_cpu_s"] else None)}
+    result["machine"]["load_average_end"] = report.load_average()
     show_patches(result)
     label = "3.2.1 set (" + ", ".join(result["applied"]) + ")" if result["refused"] else "3.2.1 set"
     report.plot_throughput(out / "patches-throughput.png",
@@ -150,6 +163,7 @@ def show_patches(result: dict[str, Any]) -> None:
         ("applied", ", ".join(result["applied"]) or "none"),
         ("refused", "; ".join(f"{k}: {v}" for k, v in result["refused"].items()) or "none"),
         ("throughput ratio", f"{result['ratio']:.2f}x"),
+        ("tokens per engine CPU-second ratio", f"{result['cpu_ratio']:.2f}x" if result["cpu_ratio"] else "-"),
         ("p99 latency ratio", f"{result['p99_latency_ratio']:.2f}x")]))
 
 
@@ -199,6 +213,7 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 def run_apply(cfg: PatchesConfig, out: Path) -> dict[str, Any]:
     """Apply/revert latency of each patch under light load; JSON and a histogram under `out`."""
+    machine = report.machine_info()
     light = [Request(p.text, 32) for p in bbh_prompts(cfg.data_dir, tasks=[LIGHT_TASK], per_task=8)]
     server = _server(cfg.engine, cfg, prefix_caching=True)
     try:
@@ -208,19 +223,27 @@ def run_apply(cfg: PatchesConfig, out: Path) -> dict[str, Any]:
     per_patch = {pid: {k: _stats(v) for k, v in s.items()} for pid, s in measured["samples"].items()}
     all_apply = [x for s in measured["samples"].values() for x in s["apply_ms"]]
     all_revert = [x for s in measured["samples"].values() for x in s["revert_ms"]]
-    result = {"suite": "apply", "command": report.command_line(), "machine": report.machine_info(),
+    result = {"suite": "apply", "command": report.command_line(), "machine": machine,
               "config": {"cycles": cfg.cycles, "patch_set": cfg.patch_set, "dtype": cfg.engine.dtype,
                          "light_concurrency": cfg.light_concurrency, "light_task": LIGHT_TASK,
                          "engine_args": cfg.engine.argv()},
               "refused": measured["refused"], "per_patch": per_patch,
               "apply_ms": _stats(all_apply), "revert_ms": _stats(all_revert),
               "background_load": measured["load"], "samples": measured["samples"]}
+    result["machine"]["load_average_end"] = report.load_average()
     show_apply(result)
     report.plot_histogram(out / "apply-latency.png",
                           {f"{pid} apply": s["apply_ms"] for pid, s in measured["samples"].items()}
                           | {"revert (all)": all_revert},
                           xlabel="swap time reported by the engine, applyMs (ms)", limit=8.0,
-                          title=f"hot-patch apply/revert, {cfg.cycles} cycles each, light load, {cfg.engine.dtype}")
+                          title=f"hot-patch swap time, {cfg.cycles} apply/revert cycles per patch under light "
+                                f"load, {cfg.engine.dtype}")
+    report.plot_histogram(out / "apply-roundtrip.png",
+                          {f"{pid} apply": s["apply_rtt_ms"] for pid, s in measured["samples"].items()}
+                          | {"revert (all)": [x for s in measured["samples"].values() for x in s["revert_rtt_ms"]]},
+                          xlabel="admin API round trip seen by the client (ms)",
+                          title="the same calls end to end: waiting for the step in flight, the swap, and "
+                                "the self-check probe (apply only)")
     report.write_json(out / "apply.json", result)
     return result
 

@@ -23,7 +23,8 @@ from rich.table import Table
 
 from graft.bench.loadgen import Summary
 
-console = Console(stderr=True)
+# wide enough for the tables when the output goes to a file or a pipe rather than a terminal
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
 
 # ---- progress ----
@@ -59,10 +60,7 @@ def machine_info() -> dict[str, Any]:
         pass
     info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
                             "platform": platform.platform(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    try:
-        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        pass
+    info["load_average"] = load_average()
     try:
         import torch
         info["torch"] = torch.__version__
@@ -70,6 +68,14 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         pass
     return info
+
+
+def load_average() -> list[float] | None:
+    """1, 5 and 15-minute load averages: how busy the (shared) machine was."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def command_line() -> str:
@@ -157,11 +163,11 @@ def plot_throughput(path: str | os.PathLike, bars: Mapping[str, float], *, basel
     rects = ax.bar(names, values, color=colors)
     base = bars[baseline]
     for rect, v in zip(rects, values):
-        label = f"{v:.1f}\n({v / base:.2f}x)" if base else f"{v:.1f}"
+        label = f"{v:.3g}\n({v / base:.2f}x)" if base else f"{v:.3g}"
         ax.annotate(label, (rect.get_x() + rect.get_width() / 2, rect.get_height()), ha="center", va="bottom",
                     fontsize=9, xytext=(0, 2), textcoords="offset points")
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(_wrap(title, 60), fontsize=10)
     ax.set_ylim(0, max(values) * 1.25 if values and max(values) > 0 else 1)
     ax.tick_params(axis="x", labelsize=8)
     return _save(fig, plt, path)
@@ -182,31 +188,37 @@ def plot_cdf(path: str | os.PathLike, series: Mapping[str, Sequence[float]], *, 
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(_wrap(title), fontsize=10)
     ax.legend(fontsize=8)
     return _save(fig, plt, path)
 
 
 def plot_histogram(path: str | os.PathLike, series: Mapping[str, Sequence[float]], *, xlabel: str, title: str,
                    bins: int = 40, limit: float | None = None) -> Path:
-    """Overlaid histograms on a log count axis; `limit` draws a dashed line (e.g. a target)."""
+    """Overlaid histograms on log-spaced bins (latencies span decades); `limit` draws a dashed target line."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    values = [v for vs in series.values() for v in vs]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    values = [v for vs in series.values() for v in vs if v > 0]
     if values:
-        lo, hi = min(values), max(values)
-        edges = [lo + (hi - lo) * i / bins for i in range(bins + 1)] if hi > lo else bins
+        lo = min(values) / 1.2
+        hi = max(max(values), limit or 0.0) * 1.2
+        edges = [lo * (hi / lo) ** (i / bins) for i in range(bins + 1)]
         for name, vs in series.items():
             if vs:
-                ax.hist(vs, bins=edges, alpha=0.6, label=f"{name} (n={len(vs)})")
+                ax.hist([v for v in vs if v > 0], bins=edges, alpha=0.6, label=f"{name} (n={len(vs)})")
+        ax.set_xscale("log")
     if limit is not None:
         ax.axvline(limit, color="#b03030", linestyle="--", linewidth=1, label=f"target {limit:g}")
-    ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("count")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(_wrap(title), fontsize=10)
     ax.legend(fontsize=8)
     return _save(fig, plt, path)
+
+
+def _wrap(title: str, width: int = 70) -> str:
+    import textwrap
+    return "\n".join(textwrap.wrap(title, width))
 
 
 def _save(fig, plt, path: str | os.PathLike) -> Path:

@@ -79,13 +79,13 @@ def start_patched(opts: EngineOptions, refused: dict[str, str]) -> EngineServer:
     """Start the engine with GRAFT_PATCHES; a patch it refuses at start-up is dropped (and recorded
     in `refused`) and the engine started again without it, so the run measures what really serves."""
     while True:
-        with report.status(f"starting graft serve ({opts.dtype}, patches: {opts.patches or 'none'})"):
-            try:
+        try:
+            with report.status(f"starting graft serve ({opts.dtype}, patches: {opts.patches or 'none'})"):
                 return EngineServer(opts).start()
-            except RuntimeError as exc:
-                found = REFUSED.search(str(exc))
-                if not found:
-                    raise
+        except RuntimeError as exc:
+            found = REFUSED.search(str(exc))
+            if not found:
+                raise
         patch, why = found.group(1), found.group(2).strip()
         refused[patch] = why
         report.console.log(f"[yellow]the engine refused {patch}, measuring without it[/]: {why}")
@@ -137,6 +137,7 @@ def run_throughput(cfg: ThroughputConfig, out: Path) -> dict[str, Any]:
                          "patches_refused": refused, "engine_args": cfg.engine.argv()}
     for kind, run in runs.items():
         result["workloads"][kind] = _entry(run, prompts[kind], cfg, f"transformers {kind}")
+    result["machine"]["load_average_end"] = report.load_average()
     show_throughput(result)
     plot_throughput(result, out)
     report.write_json(out / "throughput.json", result)

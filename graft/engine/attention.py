@@ -102,11 +102,12 @@ def prefill_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if lk != lq:
         # bottom-right aligned causal mask: SDPA's own is_causal aligns top-left
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    # batched 4-D inputs: with 3-D ones the CPU dispatcher falls back to the unfused math kernel
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def decode_attention_batched(
@@ -126,16 +127,17 @@ def decode_attention_batched(
     """
     b, block_size = q.shape[0], k_cache.shape[1]
     n_blocks = _num_blocks(max(context_lens), block_size)
-    idx = block_tables[:, :n_blocks].long()
-    k = k_cache[idx].flatten(1, 2)  # [B, L, n_kv, d]
-    v = v_cache[idx].flatten(1, 2)
+    # index_select over whole blocks copies 64-token slabs; advanced indexing is several times slower here
+    idx = block_tables[:, :n_blocks].reshape(-1).long()
+    k = k_cache.index_select(0, idx).view(b, n_blocks * block_size, *k_cache.shape[2:])  # [B, L, n_kv, d]
+    v = v_cache.index_select(0, idx).view(b, n_blocks * block_size, *v_cache.shape[2:])
     lens = torch.tensor(context_lens, device=q.device)
     valid = torch.arange(k.shape[1], device=q.device) < lens[:, None]  # [B, L]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
     )
-    return out.view(b, q.shape[1], q.shape[2])
+    return out.reshape(b, q.shape[1], q.shape[2])
 
 
 def qkv_fused(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -39,6 +39,16 @@ def num_kv_blocks(config: EngineConfig, model_config: ModelConfig, dtype: torch.
     return int(blocks)
 
 
+def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
+    """seq.token_ids[start:end] without building the whole list (a decode needs one token)."""
+    n = seq.num_prompt_tokens
+    if end <= n:
+        return seq.prompt_token_ids[start:end]
+    if start >= n:
+        return seq.output_token_ids[start - n:end - n]
+    return seq.prompt_token_ids[start:] + seq.output_token_ids[:end - n]
+
+
 @dataclass(slots=True)
 class PreparedStep:
     input_ids: torch.Tensor
@@ -76,7 +86,7 @@ class ModelRunner:
         for seq, n in items:
             start = seq.num_computed_tokens
             end = start + n
-            tokens = seq.token_ids[start:end] if n > 1 else [seq.token_ids[start]]
+            tokens = _tokens(seq, start, end)
             input_ids.extend(tokens)
             table = seq.block_table
             for pos in range(start, end):

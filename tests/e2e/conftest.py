@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
@@ -20,39 +21,39 @@ from tests.support import data_dir
 RATE = 1.0          # client requests per second over the whole fleet
 MAX_TOKENS = 4      # the prompts are long (a 3-shot BBH prefix, ~800 tokens): answers stay short
 PER_TASK = 2        # 2 examples of 3 tasks: with 3 pods, each pod sees the same 2 prompts (prefix cache)
-WARM_REQUESTS = 3   # answered per pod before a scenario starts: each prompt's first prefill is cold
+WARM_TIMEOUT = 240  # seconds for a fresh fleet to serve its first, cold, prefills
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def fleet(tmp_path_factory) -> Fleet:
+async def fleet(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Fleet]:
     async with open_fleet(tmp_path_factory.mktemp("devcluster")) as f:
         yield f
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def traffic(fleet: Fleet) -> ClientLoad:
+async def traffic(fleet: Fleet) -> AsyncIterator[ClientLoad]:
     prompts = [p.text for p in bbh_prompts(data_dir(), tasks=DEMO_TASKS, per_task=PER_TASK)]
     async with fleet.traffic(prompts, RATE, MAX_TOKENS) as t:
-        async def warm() -> bool:
-            names = [p["metadata"]["name"] for p in await fleet.ready_pods()]
-            answered = {n: 0 for n in names}
-            for o in t.stats.outcomes:
-                if o.status == 200 and o.pod in answered:
-                    answered[o.pod] += 1
-            return len(names) >= fleet.expected_pods and min(answered.values()) >= WARM_REQUESTS
-        await fleet.wait_for(warm, 240, f"{WARM_REQUESTS} answered requests on every pod")
-        yield ClientLoad(t, time.time())
+        yield ClientLoad(t)
 
 
 @pytest_asyncio.fixture(loop_scope="module", autouse=True)
-async def clean_slate(fleet: Fleet, traffic: ClientLoad) -> None:
-    """Each scenario starts with no rollout and every engine at `base`, whatever the last one left."""
+async def clean_slate(fleet: Fleet, traffic: ClientLoad) -> AsyncIterator[None]:
+    """Each scenario starts with no rollout, every engine at `base`, and a fleet that keeps up
+    with the traffic (the first prefill of each prompt on a pod is cold: seconds on a CPU); it
+    leaves no rollout and every engine at `base` behind (a real cluster stays as it was)."""
     await fleet.reset()
+
+    async def keeps_up() -> bool:
+        return traffic.keeps_up([p["metadata"]["name"] for p in await fleet.ready_pods()])
+    await fleet.wait_for(keeps_up, WARM_TIMEOUT, "every pod to keep up with the client traffic")
+    traffic.warm_at = time.time()
     yield
+    await fleet.reset()
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+def pytest_runtest_makereport(item: pytest.Item):
     """A failed scenario's report carries the rollout's status and Events, and the log tails."""
     report = yield
     fleet = item.funcargs.get("fleet") if hasattr(item, "funcargs") else None

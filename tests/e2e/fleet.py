@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from graft.devcluster.cluster import APP, TOKEN_SECRET, ClusterOptions, DevCluster, object_path
-from graft.devcluster.traffic import Router, Traffic, TrafficStats
+from graft.devcluster.traffic import Outcome, Router, Traffic, TrafficStats
 from graft.operator.pods import PATCHES_ANNOTATION, TRACK_LABEL, admin_address, is_ready
 from graft.rollout.revision import BASE, patches_of
 from graft.rollout.status import FINAL
@@ -35,6 +35,7 @@ SELECTOR = ",".join(f"{k}={v}" for k, v in APP.items())
 LOCAL_PODS = 3
 LOCAL_TICK = 1.0           # operator tick, seconds
 SCRAPE_INTERVAL = 1.0      # Prometheus scrape interval of the local fleet, seconds
+API_REQUEST_HISTORY = 20   # requests the API server emulator keeps for assertions
 
 
 def canary_pods(pods: int, weight: int) -> int:
@@ -57,7 +58,8 @@ class Fleet:
                  pods: int, local: DevCluster | None = None):
         self.api, self.namespace, self.token = api, namespace, token
         self.prometheus_url, self.expected_pods, self.local = prometheus_url, pods, local
-        self.http = httpx.AsyncClient(timeout=30)
+        # no keep-alive: an engine closing an idle connection as a request goes out is not news
+        self.http = httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_keepalive_connections=0))
         self.rollouts: list[str] = []      # PatchRollouts created through `apply`, deleted by `reset`
         self.loop = asyncio.get_running_loop()
 
@@ -67,10 +69,6 @@ class Fleet:
     @property
     def workdir(self) -> Path | None:
         return self.local.workdir if self.local else None
-
-    @property
-    def tick(self) -> float:
-        return self.local.opts.operator_tick if self.local else LOCAL_TICK
 
     def require_local(self, what: str) -> DevCluster:
         """The local dev cluster; skips the test on a real cluster, where this is not ours to do."""
@@ -158,8 +156,7 @@ class Fleet:
         """The engine's revision, or None when it does not answer (restarting)."""
         try:
             return (await self.engine_patches(pod))["revision"]
-        except httpx.HTTPError as e:
-            print("DEBUG engine_revision", pod["metadata"]["name"], repr(e), time.time())
+        except httpx.HTTPError:
             return None
 
     async def revert_engine(self, pod: dict[str, Any], name: str) -> None:
@@ -288,11 +285,31 @@ class ClientLoad:
     """The client traffic running over the fleet for the whole module."""
 
     traffic: Traffic
-    warm_at: float       # wall-clock time every pod had answered its prompts (prefix cache warm)
+    warm_at: float = 0.0   # wall-clock time the fleet last kept up with it (`keeps_up`)
 
     @property
     def stats(self) -> TrafficStats:
         return self.traffic.stats
+
+    def finished(self, since: float) -> list[Outcome]:
+        """Requests answered (or failed) at or after `since`, whenever they were sent."""
+        return [o for o in self.stats.outcomes if o.at + o.latency >= since]
+
+    def failed(self, since: float) -> list[Outcome]:
+        return [o for o in self.finished(since) if o.status != 200]
+
+    def answered(self, since: float) -> int:
+        return sum(1 for o in self.finished(since) if o.status == 200)
+
+    def keeps_up(self, pods: list[str], answers: int = 2) -> bool:
+        """Every pod's last `answers` requests were answered, each faster than requests reach it
+        (N pods / rate seconds apart): no backlog left from cold prefills or a patch."""
+        gap = len(pods) / self.traffic.rate
+        for pod in pods:
+            last = [o for o in self.stats.outcomes if o.pod == pod][-answers:]
+            if len(last) < answers or any(o.status != 200 or o.latency >= gap for o in last):
+                return False
+        return True
 
 
 @dataclass(slots=True)
@@ -399,7 +416,12 @@ async def open_fleet(workdir: Path) -> AsyncIterator[Fleet]:
 async def _local_fleet(workdir: Path) -> AsyncIterator[Fleet]:
     opts = ClusterOptions(workdir=workdir, pods=LOCAL_PODS, operator_tick=LOCAL_TICK,
                           scrape_interval=f"{SCRAPE_INTERVAL:g}s")
-    async with DevCluster(opts) as cluster:
+    cluster = DevCluster(opts)
+    # KMock checks every request against the request history it keeps (O(history) per request):
+    # at DevCluster's 1000 a request costs ~0.2 s of CPU and the emulator starves the test's loop.
+    # Nothing here asserts on that history, so a short one is enough.
+    cluster.api_server.history_limit = API_REQUEST_HISTORY
+    async with cluster:
         assert cluster.api is not None and cluster.prometheus is not None
         await cluster.wait_ready(timeout=300)
         await asyncio.to_thread(cluster.prometheus.wait_for_targets, LOCAL_PODS, 60)
