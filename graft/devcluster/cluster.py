@@ -49,6 +49,7 @@ class ClusterOptions:
     operator_tick: float = 1.0
     engine_threads: int = 1
     api_port: int = 0
+    api_history: int = 20   # requests KMock keeps for assertions; each request scans them all
 
 
 def engine_deployment(opts: ClusterOptions) -> dict[str, Any]:
@@ -89,7 +90,7 @@ class DevCluster:
         self.workdir = Path(opts.workdir)
         self.kubeconfig = self.workdir / "kubeconfig"
         self.token = secrets.token_urlsafe(24)
-        self.api_server = ApiServer(crd_paths=[CRDS], port=opts.api_port, history_limit=1000)
+        self.api_server = ApiServer(crd_paths=[CRDS], port=opts.api_port, history_limit=opts.api_history)
         self.api: httpx.AsyncClient | None = None
         self.pods: PodRunner | None = None
         self.prometheus: PrometheusServer | None = None

@@ -49,6 +49,9 @@ class EngineMetrics:
         if old is not None:
             self.revision_info.remove(old)
         self.revision_info.labels(revision=new).set(1)
+        # every outcome's series exists from the start at 0, so rate() sees a revision's first error
+        for status in ("ok", "error", "rejected"):
+            self.requests.labels(new, status)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -35,7 +35,6 @@ SELECTOR = ",".join(f"{k}={v}" for k, v in APP.items())
 LOCAL_PODS = 3
 LOCAL_TICK = 1.0           # operator tick, seconds
 SCRAPE_INTERVAL = 1.0      # Prometheus scrape interval of the local fleet, seconds
-API_REQUEST_HISTORY = 20   # requests the API server emulator keeps for assertions
 
 
 def canary_pods(pods: int, weight: int) -> int:
@@ -417,10 +416,6 @@ async def _local_fleet(workdir: Path) -> AsyncIterator[Fleet]:
     opts = ClusterOptions(workdir=workdir, pods=LOCAL_PODS, operator_tick=LOCAL_TICK,
                           scrape_interval=f"{SCRAPE_INTERVAL:g}s")
     cluster = DevCluster(opts)
-    # KMock checks every request against the request history it keeps (O(history) per request):
-    # at DevCluster's 1000 a request costs ~0.2 s of CPU and the emulator starves the test's loop.
-    # Nothing here asserts on that history, so a short one is enough.
-    cluster.api_server.history_limit = API_REQUEST_HISTORY
     async with cluster:
         assert cluster.api is not None and cluster.prometheus is not None
         await cluster.wait_ready(timeout=300)
