@@ -6,6 +6,7 @@ presentation code and the plots can be redrawn from the JSON alone.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -61,6 +62,7 @@ def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
                             "platform": platform.platform(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     info["load_average"] = load_average()
+    info["engine_source_sha256"] = source_digest()
     try:
         import torch
         info["torch"] = torch.__version__
@@ -68,6 +70,16 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         pass
     return info
+
+
+def source_digest() -> str:
+    """A short digest of the engine's source files: which engine code a result was measured on."""
+    root = Path(__file__).resolve().parents[1] / "engine"
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def load_average() -> list[float] | None:
