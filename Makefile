@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup prometheus test test-fast demo bench lint images clean
+.PHONY: setup prometheus test test-fast demo bench images clean
 
 setup: $(STAMP)
 
@@ -40,3 +40,8 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+IMAGE_TAG ?= dev
+images:
+	docker build -f docker/operator.Dockerfile -t graft-operator:$(IMAGE_TAG) .
+	docker build -f docker/engine.Dockerfile -t graft-engine:$(IMAGE_TAG) .
