@@ -219,6 +219,8 @@ class LoadGenerator:
                     await _read_stream(resp, result)
         except httpx.HTTPError as exc:
             result.error = f"{type(exc).__name__}: {exc}"
+        except ValueError as exc:   # an event that is not JSON
+            result.error = f"malformed stream event: {exc}"
         result.done_at = time.perf_counter()
         return result
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from graft.bench import report
+from graft.bench.args import PATCH_SET
 from graft.bench.data import Prompt, bbh_prompts
 from graft.bench.engine import AdminClient, EngineOptions, EngineServer
 from graft.bench.loadgen import LoadGenerator, LoadReport, Request, percentile
@@ -34,7 +35,7 @@ class PatchesConfig:
     rounds: int = 1
     cycles: int = 200
     light_concurrency: int = 2
-    patch_set: str = "kv-align@3.2.1,prefill-fusion@3.2.1,sync-free@3.2.1"
+    patch_set: str = PATCH_SET
     data_dir: str | None = None
     engine: EngineOptions = field(default_factory=EngineOptions)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from graft.bench import report
+from graft.bench.args import ONE_TASK
 from graft.bench.baseline import hf_generate
 from graft.bench.data import Prompt, bbh_prompts, mixed_bbh_prompts
 from graft.bench.engine import EngineOptions, EngineServer
@@ -35,7 +36,7 @@ class ThroughputConfig:
     concurrency: int = 16
     max_tokens: int = 64
     workloads: list[str] = field(default_factory=lambda: ["mixed", "one-task"])
-    task: str = "logical_deduction_five_objects"
+    task: str = ONE_TASK
     data_dir: str | None = None
     baseline: bool = True
     engine: EngineOptions = field(default_factory=EngineOptions)

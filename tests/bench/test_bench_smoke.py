@@ -26,7 +26,7 @@ TOKEN_GAP = 0.03
 class FakeOpenAI:
     """Streams `max_tokens` chunks: the first after FIRST_TOKEN_DELAY, then one every TOKEN_GAP.
 
-    Prompt "fail" answers HTTP 500; prompt "break" sends an error event mid-stream.
+    Prompt "fail" answers HTTP 500; "break" sends an error event mid-stream; "garbage" a non-JSON event.
     """
 
     def __init__(self) -> None:
@@ -63,6 +63,9 @@ class FakeOpenAI:
                     await asyncio.sleep(TOKEN_GAP)
                 if prompt == "break" and i == 2:
                     await resp.write(b'data: {"error": {"message": "the step failed"}}\n\n')
+                    break
+                if prompt == "garbage" and i == 1:
+                    await resp.write(b"data: {not json\n\n")
                     break
                 piece = f"t{i} "
                 choice = ({"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece})
@@ -116,15 +119,18 @@ async def test_load_generator_measures_ttft_tpot_latency_and_tokens(fake):
 
 
 async def test_failures_are_counted_as_errors_and_left_out_of_the_statistics(fake):
-    requests = [Request("fine", max_tokens=3), Request("fail", max_tokens=3), Request("break", max_tokens=5)]
+    requests = [Request("fine", max_tokens=3), Request("fail", max_tokens=3), Request("break", max_tokens=5),
+                Request("garbage", max_tokens=5)]
     async with LoadGenerator(fake.url, model="fake-model") as gen:
-        rep = await gen.run(requests, concurrency=3)
+        rep = await gen.run(requests, concurrency=4)
     ok, failed = rep.ok, rep.errors
     assert [r.index for r in ok] == [0]
-    assert {r.index: r.error for r in failed} == {1: "HTTP 500: boom", 2: "the step failed"}
+    errors = {r.index: r.error for r in failed}
+    assert errors[1] == "HTTP 500: boom" and errors[2] == "the step failed"
+    assert errors[3].startswith("malformed stream event")
     assert failed[0].status == 500
     s = rep.summary()
-    assert (s.requests, s.errors, s.output_tokens) == (3, 2, 3)
+    assert (s.requests, s.errors, s.output_tokens) == (4, 3, 3)
     assert len(rep.latencies()) == 1
 
 

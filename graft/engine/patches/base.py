@@ -28,8 +28,9 @@ class PatchError(Exception):
 class Patch:
     """A named, versioned set of slot replacements.
 
-    `migrate(engine)` carries live state into the patched form right before the swap (e.g. builds
-    fused weights) and `unmigrate(engine)` undoes it after a revert. `tolerance` is the largest
+    `migrate(engine)` prepares live state for the patched form (e.g. builds fused weights); it runs
+    before the swap, off the step loop, while the old table still serves, so it may only add state
+    the old table ignores. `unmigrate(engine)` drops it after a revert. `tolerance` is the largest
     absolute logit difference the self-check accepts on the probe prompt. A patch with
     `live_switch=False` cannot take over sequences mid-flight: the engine preempts (recomputes)
     running work around the swap.

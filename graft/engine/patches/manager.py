@@ -75,6 +75,7 @@ class PatchManager:
         self.base_slots = engine.slots
         self._lock = asyncio.Lock()
         self._probe_ids = engine.tokenizer.encode(PROBE_PROMPT)
+        self._probe_cache: dict[str, torch.Tensor] = {}   # revision -> its probe logits
 
     @property
     def revision(self) -> str:
@@ -121,8 +122,15 @@ class PatchManager:
             clash = {s: a.patch.id for a in self.applied.values() for s in a.slots if s in slots}
             if clash:
                 raise PatchError(409, f"{patch.id} replaces patch points already patched: {clash}")
+            if patch.migrate:  # the costly part, off the step loop: the old table ignores what it adds
+                await asyncio.to_thread(patch.migrate, self.engine)
             fut = self.engine.call_between_steps(lambda: self._swap_in(patch, slots, config or {}))
-            applied, verdict = await asyncio.wrap_future(fut)
+            try:
+                applied, verdict = await asyncio.wrap_future(fut)
+            except BaseException:
+                if patch.unmigrate:
+                    patch.unmigrate(self.engine)
+                raise
             if verdict is not None:
                 self.engine.metrics.patch_failures.labels(patch.name, "verify").inc()
                 raise PatchError(422, f"{patch.id} failed its self-check and was reverted: {verdict}")
@@ -157,6 +165,13 @@ class PatchManager:
     def _probe(self, slots) -> torch.Tensor:
         return self.engine.runner.probe_logits(self._probe_ids, slots, self.engine.probe_blocks)
 
+    def _reference(self) -> torch.Tensor:
+        """The probe logits of the current revision: computed once per revision, then remembered."""
+        rev = self.engine.revision
+        if rev not in self._probe_cache:
+            self._probe_cache[rev] = self._probe(self.engine.slots)
+        return self._probe_cache[rev]
+
     def _set_revision(self) -> None:
         old, new = self.engine.revision, self.revision
         self.engine.revision = new
@@ -164,12 +179,10 @@ class PatchManager:
 
     def _swap_in(self, patch: Patch, slots: Mapping[str, Any], config: Mapping[str, Any]):
         engine = self.engine
-        before = self._probe(engine.slots)
+        before = self._reference()
         t0 = time.perf_counter()
         if not patch.live_switch:
             engine.scheduler.preempt_all()
-        if patch.migrate:
-            patch.migrate(engine)
         engine.slots = self._table(slots)
         self.applied[patch.name] = applied = Applied(
             patch, slots, datetime.now(timezone.utc).isoformat(timespec="milliseconds"), 0.0, 0.0, config)
@@ -182,6 +195,7 @@ class PatchManager:
         if verdict is not None:
             self._swap_out(applied)
             return applied, verdict
+        self._probe_cache[engine.revision] = after
         engine.metrics.patch_info.labels(patch.name, patch.version, patch.digest).set(1)
         engine.metrics.patch_apply.labels("apply").observe(applied.apply_ms / 1000)
         return applied, None
