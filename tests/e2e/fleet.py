@@ -72,8 +72,8 @@ class Fleet:
     def require_local(self, what: str) -> DevCluster:
         """The local dev cluster; skips the test on a real cluster, where this is not ours to do."""
         if self.local is None:
-            pytest.skip(f"{what} needs local control of the process; on a real cluster "
-                        "(GRAFT_E2E_KUBECONFIG) this scenario does not run")
+            pytest.skip(f"GRAFT_E2E_KUBECONFIG: {what} needs local control of the process; "
+                        "on a real cluster this scenario does not run")
         return self.local
 
     # the Kubernetes API

@@ -46,7 +46,8 @@ async def cluster():
 @pytest.fixture
 def needs_fake_pods(cluster):
     if cluster.real:
-        pytest.skip("needs pods whose engines the test controls; on a real cluster the kubelet owns pods")
+        pytest.skip("GRAFT_E2E_KUBECONFIG: needs pods whose engines the test controls; "
+                    "on a real cluster the kubelet owns pods")
 
 
 @pytest.fixture
