@@ -29,7 +29,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     p.add_argument("--max-waiting", type=int, default=256, help="admission queue bound (then 429)")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-cuda-graphs", action="store_true")
 
 
 def engine_config(args: argparse.Namespace):
@@ -37,8 +36,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-                        cuda_graphs=not args.no_cuda_graphs)
+                        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -16,7 +16,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 512   # token budget per step (decode tokens + prefill chunks)
     max_waiting: int = 256              # admission queue bound; beyond it requests get 429
     enable_prefix_caching: bool = True
-    cuda_graphs: bool = True            # decode captured into CUDA graphs (CUDA only)
     seed: int = 0
 
     def __post_init__(self) -> None:
