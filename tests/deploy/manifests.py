@@ -26,6 +26,8 @@ THIRD_PARTY = {
     ("gateway.networking.k8s.io/v1", "HTTPRoute"),
     ("monitoring.coreos.com/v1", "PodMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("cert-manager.io/v1", "Certificate"),
+    ("cert-manager.io/v1", "Issuer"),
 }
 
 Obj = dict[str, Any]

@@ -42,6 +42,9 @@ PROMETHEUS_OPERATOR = merged(ENGINE, {"monitoring": {
     "prometheusOperator": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
     "grafanaDashboard": {"enabled": True}}})
 REPLICAS_2 = {"operator": {"replicas": 2}}
+TLS_CERT_MANAGER = merged(ENGINE, {"adminTLS": {"certManager": {"enabled": True}}})
+TLS_SECRET = merged(ENGINE, {"adminTLS": {"existingSecret": "engine-admin-tls"}})
+GENERATED_TOKEN = {"adminToken": {"generate": True}}
 SETUPS = {
     "defaults": {},
     "namespaced-rbac": NAMESPACED,
@@ -49,10 +52,15 @@ SETUPS = {
     "gateway-api": GATEWAY,
     "prometheus-operator": PROMETHEUS_OPERATOR,
     "replicas-2": REPLICAS_2,
+    "admin-tls-cert-manager": TLS_CERT_MANAGER,
+    "admin-tls-secret": TLS_SECRET,
+    "generated-token": GENERATED_TOKEN,
     "everything": merged(NAMESPACED, GATEWAY, PROMETHEUS_OPERATOR, REPLICAS_2, {"engine": {
         "patches": "kv-align@3.2.1,sync-free@3.2.1", "model": "/models/llama.gguf",
         "modelVolume": {"persistentVolumeClaim": {"claimName": "llama"}},
-        "podLabels": {"app": "llm-engine"}}}),
+        "podLabels": {"app": "llm-engine"},
+        "bundles": {"trustedKeys": {"configMap": "release-keys", "keys": ["release.pem"]}}},
+        "adminTLS": {"certManager": {"enabled": True, "issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"}}}}),
 }
 setups = pytest.mark.parametrize("values", list(SETUPS.values()), ids=list(SETUPS))
 
@@ -95,8 +103,17 @@ def test_rendered_objects_are_checked_for_real(crds):
     (merged(ENGINE, {"gatewayAPI": {"enabled": True}}), "needs gatewayAPI.parentRefs"),
     ({"monitoring": {"prometheusOperator": {"enabled": True}}}, "podSelector"),
     ({"serviceAccount": {"create": False}}, "serviceAccount.name is required"),
+    ({"adminToken": {"value": "s3cret"}}, "value"),
+    ({"adminToken": {"generate": True, "existingSecret": "fleet-token"}}, "set only one"),
+    (merged(TLS_CERT_MANAGER, TLS_SECRET), "set only one"),
+    ({"adminTLS": {"certManager": {"enabled": True}}}, "set engine.enabled too"),
+    ({"adminTLS": {"existingSecret": "engine-admin-tls"}}, "needs adminTLS.serverName"),
+    ({"adminTLS": {"certManager": {"duration": "90 days"}}}, "/adminTLS/certManager/duration"),
+    (merged(ENGINE, {"engine": {"bundles": {"trustedKeys": {"configMap": "keys"}}}}), "needs both configMap and keys"),
 ], ids=["scope", "typo", "patch-format", "namespace-name", "no-replicas", "watch-cluster",
-        "gateway-no-engine", "gateway-no-parent", "podmonitor-no-selector", "no-service-account"])
+        "gateway-no-engine", "gateway-no-parent", "podmonitor-no-selector", "no-service-account",
+        "token-in-values", "token-two-sources", "tls-two-sources", "tls-cert-manager-no-engine",
+        "tls-secret-no-server-name", "tls-bad-duration", "trusted-keys-without-keys"])
 def test_bad_values_are_refused_with_a_reason(chart, values, complaint):
     with pytest.raises((helm.HelmValuesError, helm.HelmRenderError)) as err:
         render(chart, values)
@@ -129,7 +146,6 @@ def test_packaged_chart_carries_the_linked_files(tmp_path):
             assert text(f"graft/crds/{crd.name}") == crd.read_text(encoding="utf-8")
         assert text("graft/files/prometheus-rule.yaml") == (DEPLOY / "prometheus" / "prometheus-rule.yaml").read_text()
         assert text("graft/files/graft-dashboard.json") == (DEPLOY / "grafana" / "graft-dashboard.json").read_text()
-        assert "graft/rbac-needs.yaml" not in members
     with helm.Chart.load(archive) as packaged:
         assert one(render(packaged, PROMETHEUS_OPERATOR), "PrometheusRule")["spec"]["groups"]
 
@@ -146,96 +162,6 @@ def test_client_dry_run_install_accepts_the_chart(tmp_path):
     kinds = {d["kind"] for d in load_docs(release["manifest"])}
     assert {"StatefulSet", "Deployment", "HTTPRoute", "ClusterRole"} <= kinds
     assert "httpRoute: graft-engine" in release["notes"]
-
-
-# RBAC: exactly the operator's calls
-
-def granted(rules: list[dict]) -> set[tuple]:
-    """(group, resource, verb, resourceName or None) for every permission a rule list gives."""
-    out = set()
-    for rule in rules:
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                for verb in rule["verbs"]:
-                    for name in rule.get("resourceNames") or [None]:
-                        out.add((group, resource, verb, name))
-    return out
-
-
-def needed(scope: str, cluster_wide: bool, secret: str) -> set[tuple]:
-    """What rbac-needs.yaml asks for, in one kind of role: the ClusterRole or a namespace's Role."""
-    needs = yaml.safe_load((CHART / "rbac-needs.yaml").read_text())["needs"]
-    out = set()
-    for need in needs:
-        if need.get("when", "always") not in ("always", scope):
-            continue
-        if cluster_wide != (scope == "cluster" or need.get("clusterScoped", False)):
-            continue
-        name = secret if need.get("resourceNames") == "adminToken" else None
-        out |= {(need["group"], r, v, name) for r in need["resources"] for v in need["verbs"]}
-    return out
-
-
-def bound_roles(objs: list[dict], kind: str, binding_kind: str, sa: str) -> list[dict]:
-    roles = {(o["metadata"].get("namespace"), o["metadata"]["name"]): o for o in of_kind(objs, kind)}
-    out = []
-    for binding in of_kind(objs, binding_kind):
-        ns = binding["metadata"].get("namespace")
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
-        assert binding["roleRef"]["kind"] == kind
-        out.append(roles.pop((ns, binding["roleRef"]["name"])))
-    assert not roles, f"{kind}s bound to nothing: {list(roles)}"
-    return out
-
-
-@pytest.mark.parametrize("values, scope, namespaces", [
-    ({}, "cluster", []),
-    (NAMESPACED, "namespace", WATCHED),
-    ({"rbac": {"scope": "namespace"}}, "namespace", [NAMESPACE]),
-    ({"adminToken": {"existingSecret": "fleet-token"}}, "cluster", []),
-], ids=["cluster", "namespaces", "own-namespace", "existing-secret"])
-def test_operator_rbac_grants_exactly_what_the_operator_calls(chart, values, scope, namespaces):
-    objs = render(chart, values)
-    sa = one(objs, "ServiceAccount")["metadata"]["name"]
-    assert pod_template(one(objs, "StatefulSet"))["spec"]["serviceAccountName"] == sa
-    secret = values.get("adminToken", {}).get("existingSecret") or f"{RELEASE}-admin-token"
-
-    cluster_roles = bound_roles(objs, "ClusterRole", "ClusterRoleBinding", sa)
-    assert_same_grants(granted([r for role in cluster_roles for r in role["rules"]]), needed(scope, True, secret))
-
-    roles = bound_roles(objs, "Role", "RoleBinding", sa)
-    assert sorted(r["metadata"]["namespace"] for r in roles) == sorted(namespaces)
-    for role in roles:
-        assert_same_grants(granted(role["rules"]), needed(scope, False, secret))
-
-
-def assert_same_grants(got: set[tuple], want: set[tuple]) -> None:
-    beyond, missing = sorted(map(str, got - want)), sorted(map(str, want - got))
-    assert not beyond and not missing, f"granted beyond the needs: {beyond}; missing: {missing}"
-
-
-def test_rbac_needs_list_is_well_formed():
-    needs = yaml.safe_load((CHART / "rbac-needs.yaml").read_text())["needs"]
-    for need in needs:
-        assert set(need) <= {"group", "resources", "verbs", "when", "clusterScoped", "resourceNames"}, need
-        assert need.get("when", "always") in ("always", "cluster", "namespace")
-        assert set(need["verbs"]) <= {"get", "list", "watch", "create", "update", "patch", "delete"}
-    assert {"patchrollouts", "patchrollouts/status", "pods", "events", "httproutes"} <= {
-        r for n in needs for r in n["resources"]}
-
-
-@setups
-def test_rbac_has_no_wildcards(chart, values):
-    for role in of_kind(render(chart, values), "ClusterRole") + of_kind(render(chart, values), "Role"):
-        for rule in role["rules"]:
-            for field in ("apiGroups", "resources", "verbs", "resourceNames"):
-                assert "*" not in rule.get(field, []), (role["metadata"]["name"], rule)
-            assert "nonResourceURLs" not in rule
-
-
-def test_rbac_can_be_left_to_the_cluster_admin(chart):
-    objs = render(chart, {"rbac": {"create": False}})
-    assert not [o for o in objs if o["kind"] in ("ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding")]
 
 
 # the operator
@@ -323,22 +249,51 @@ def test_engine_services_never_expose_the_admin_port(chart, values):
             assert port["port"] != 8081 and port["targetPort"] not in (8081, "admin"), svc["metadata"]["name"]
 
 
-def test_only_the_operator_may_reach_the_engine_admin_port(chart):
-    objs = render(chart, ENGINE)
+@pytest.mark.parametrize("values", [ENGINE, TLS_CERT_MANAGER, SETUPS["everything"]],
+                         ids=["engine", "admin-tls", "everything"])
+def test_only_the_operator_may_reach_the_engine_admin_port(chart, values):
+    # on by default whenever the chart runs engines
+    objs = render(chart, values)
     policy = one(objs, "NetworkPolicy")
-    engine_labels = pod_template(one(objs, "Deployment"))["metadata"]["labels"]
+    deployment = one(objs, "Deployment")
+    (engine,) = containers(deployment)
+    engine_labels = pod_template(deployment)["metadata"]["labels"]
     operator_labels = pod_template(one(objs, "StatefulSet"))["metadata"]["labels"]
     assert selects(policy["spec"]["podSelector"]["matchLabels"], engine_labels)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
     by_port = {p["port"]: rule for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert set(by_port) == {"http", "admin"}
+    # the serving port stays open to everyone
     assert "from" not in by_port["http"]
     (source,) = by_port["admin"]["from"]
     assert selects(source["podSelector"]["matchLabels"], operator_labels)
     assert source["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": NAMESPACE}
+    # the named port is the one the admin API listens on
+    ports = {p["name"]: p["containerPort"] for p in engine["ports"]}
+    assert f"--admin-port={ports['admin']}" in engine["args"]
+    assert f"--port={ports['http']}" in engine["args"]
+
+
+def test_network_policy_is_only_left_out_when_asked(chart):
+    assert not of_kind(render(chart, {}), "NetworkPolicy")
+    assert not of_kind(render(chart, merged(ENGINE, {"engine": {"networkPolicy": {"enabled": False}}})), "NetworkPolicy")
 
 
 # the engine fleet
 
-def test_engine_pods_read_their_patches_and_admin_token(chart):
+def mounted_file(workload: dict, container: dict, path: str) -> tuple[str, str]:
+    """(Secret or ConfigMap name, key) of the file at `path` in a container, mounted read-only
+    without subPath (a subPath mount never sees the Secret change)."""
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+    assert mount.get("readOnly") is True and "subPath" not in mount, mount
+    volume = next(v for v in pod_template(workload)["spec"]["volumes"] if v["name"] == mount["name"])
+    source = volume.get("secret") or volume["configMap"]
+    relative = path[len(mount["mountPath"].rstrip("/")) + 1:]
+    (key,) = [i["key"] for i in source.get("items") or [{"key": relative, "path": relative}] if i["path"] == relative]
+    return source.get("secretName") or source["name"], key
+
+
+def test_engine_pods_read_their_patches_from_the_pod_annotation(chart):
     objs = render(chart, merged(ENGINE, {"engine": {"patches": "kv-align@3.2.1"}}))
     deployment = one(objs, "Deployment")
     template = pod_template(deployment)
@@ -346,15 +301,183 @@ def test_engine_pods_read_their_patches_and_admin_token(chart):
     env = env_of(engine)
     assert env["GRAFT_PATCHES"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['graft.dev/patches']"
     assert template["metadata"]["annotations"]["graft.dev/patches"] == "kv-align@3.2.1"
-    token_file = env["GRAFT_ADMIN_TOKEN_FILE"]["value"]
-    mount = next(m for m in engine["volumeMounts"] if token_file.startswith(m["mountPath"] + "/"))
-    assert mount["readOnly"] is True
-    volume = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])
-    secret = one(objs, "Secret")
-    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
-    key = token_file.rsplit("/", 1)[1]
-    assert key in secret["data"] and volume["secret"]["items"] == [{"key": key, "path": key}]
     assert template["spec"]["automountServiceAccountToken"] is False
+
+
+def test_engine_admin_api_listens_on_the_pod_ip(chart):
+    # the engine binds its admin API to loopback unless told otherwise; the operator calls the pod IP
+    (engine,) = containers(one(render(chart, ENGINE), "Deployment"))
+    assert "--admin-host=$(POD_IP)" in engine["args"]
+    assert env_of(engine)["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert "--host=0.0.0.0" in engine["args"]
+
+
+@pytest.mark.parametrize("values", [ENGINE, SETUPS["everything"]], ids=["engine", "everything"])
+def test_engine_pods_wait_for_the_patched_readiness_gate(chart, values):
+    template = pod_template(one(render(chart, values), "Deployment"))
+    assert template["spec"]["readinessGates"] == [{"conditionType": "graft.dev/patched"}]
+    off = pod_template(one(render(chart, merged(values, {"engine": {"readinessGate": False}})), "Deployment"))
+    assert "readinessGates" not in off["spec"]
+
+
+UNSIGNED = merged(ENGINE, {"engine": {"bundles": {"allowUnsigned": True}}})
+
+
+@pytest.mark.parametrize("values", [ENGINE, TLS_CERT_MANAGER, TLS_SECRET, UNSIGNED, SETUPS["everything"]],
+                         ids=["engine", "admin-tls-cert-manager", "admin-tls-secret", "unsigned-bundles", "everything"])
+def test_engine_args_are_flags_graft_serve_accepts(chart, values):
+    from graft.cli import build_parser
+
+    (engine,) = containers(one(render(chart, values), "Deployment"))
+    # $(VAR) expanded from the container's env, as the kubelet does
+    defined = {e["name"] for e in engine["env"]}
+    args = [re.sub(r"\$\((\w+)\)", lambda m: "10.1.2.3" if m.group(1) in defined else m.group(0), a)
+            for a in engine["args"]]
+    parsed, unknown = build_parser().parse_known_args(args)
+    assert not unknown, f"graft serve does not know {unknown}"
+    assert parsed.command == "serve" and parsed.admin_host == "10.1.2.3"
+
+
+def test_engines_accept_only_bundles_signed_by_a_trusted_key(chart):
+    (engine,) = containers(one(render(chart, ENGINE), "Deployment"))
+    assert not [a for a in engine["args"] if a.startswith(("--trusted-key", "--allow-unsigned-bundles"))]
+    values = merged(ENGINE, {"engine": {"bundles": {"trustedKeys": {"configMap": "release-keys",
+                                                                    "keys": ["release.pem", "backup.pem"]}}}})
+    deployment = one(render(chart, values), "Deployment")
+    (engine,) = containers(deployment)
+    keys = [a.split("=", 1)[1] for a in engine["args"] if a.startswith("--trusted-key=")]
+    assert [mounted_file(deployment, engine, k) for k in keys] == [("release-keys", "release.pem"),
+                                                                   ("release-keys", "backup.pem")]
+    assert "--allow-unsigned-bundles" not in engine["args"]
+    (engine,) = containers(one(render(chart, UNSIGNED), "Deployment"))
+    assert "--allow-unsigned-bundles" in engine["args"]
+
+
+# the admin token: one Secret in the release's namespace, the same whoever renders the chart
+
+DETERMINISTIC = {k: v for k, v in SETUPS.items() if k != "generated-token"}
+
+
+@pytest.mark.parametrize("values", list(DETERMINISTIC.values()), ids=list(DETERMINISTIC))
+def test_rendering_twice_gives_the_same_objects(chart, values):
+    # helm template and GitOps tools (Argo CD) render without the cluster, on every sync: a token
+    # drawn at render time would change each time, and the engines and the operator would disagree
+    assert render(chart, values) == render(chart, values)
+
+
+def test_by_default_the_admin_token_is_a_secret_the_user_makes(chart):
+    objs = render(chart, ENGINE)
+    assert not of_kind(objs, "Secret")
+    (operator,) = containers(one(objs, "StatefulSet"))
+    assert env_of(operator)["GRAFT_ADMIN_TOKEN_SECRET"]["value"] == f"{NAMESPACE}/{RELEASE}-admin-token"
+    deployment = one(objs, "Deployment")
+    (engine,) = containers(deployment)
+    assert mounted_file(deployment, engine, env_of(engine)["GRAFT_ADMIN_TOKEN_FILE"]["value"]) == (
+        f"{RELEASE}-admin-token", "token")
+
+    objs = render(chart, merged(ENGINE, {"adminToken": {"existingSecret": "fleet-token", "key": "bearer"}}))
+    assert not of_kind(objs, "Secret")
+    (operator,) = containers(one(objs, "StatefulSet"))
+    assert env_of(operator)["GRAFT_ADMIN_TOKEN_SECRET"]["value"] == f"{NAMESPACE}/fleet-token"
+    assert env_of(operator)["GRAFT_ADMIN_TOKEN_SECRET_KEY"]["value"] == "bearer"
+    deployment = one(objs, "Deployment")
+    (engine,) = containers(deployment)
+    assert mounted_file(deployment, engine, env_of(engine)["GRAFT_ADMIN_TOKEN_FILE"]["value"]) == ("fleet-token", "bearer")
+
+
+def test_a_generated_admin_token_is_made_once_and_kept(chart):
+    objs = render(chart, merged(ENGINE, GENERATED_TOKEN))
+    secret = one(objs, "Secret")
+    assert (secret["metadata"]["name"], secret["metadata"]["namespace"]) == (f"{RELEASE}-admin-token", NAMESPACE)
+    # kept through upgrades and uninstalls, and never overwritten by a render that cannot see it
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert secret["immutable"] is True
+    assert len(base64.b64decode(secret["data"]["token"])) == 48
+    deployment = one(objs, "Deployment")
+    (engine,) = containers(deployment)
+    assert mounted_file(deployment, engine, env_of(engine)["GRAFT_ADMIN_TOKEN_FILE"]["value"]) == (
+        secret["metadata"]["name"], "token")
+    # an upgrade takes the token it finds rather than drawing a new one
+    template = (CHART / "templates" / "admin-token-secret.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in template
+
+
+@pytest.mark.parametrize("values", [ENGINE, SETUPS["everything"]], ids=["engine", "everything"])
+def test_engines_read_the_admin_token_from_a_file_that_follows_rotation(chart, values):
+    deployment = one(render(chart, values), "Deployment")
+    for c in containers(deployment):
+        assert not c.get("envFrom")
+        assert not [e for e in c.get("env", []) if "secretKeyRef" in (e.get("valueFrom") or {})], c["name"]
+        assert "GRAFT_ADMIN_TOKEN" not in env_of(c)
+    (engine,) = containers(deployment)
+    token_file = env_of(engine)["GRAFT_ADMIN_TOKEN_FILE"]["value"]
+    assert mounted_file(deployment, engine, token_file)[1] == "token"
+
+
+def test_docs_say_where_the_admin_token_lives_and_when_it_is_read(chart):
+    text = notes(chart, ENGINE)
+    assert f'Secret "{RELEASE}-admin-token" in namespace {NAMESPACE}' in text
+    assert "at start-up" in text
+    assert f"kubectl -n {NAMESPACE} create secret generic {RELEASE}-admin-token" in text
+    assert "create secret" not in notes(chart, merged(ENGINE, GENERATED_TOKEN))
+    for doc in ("README.md", "values.yaml"):
+        text = " ".join((CHART / doc).read_text().split())
+        assert "in the release's namespace" in text and "at start-up" in text, doc
+
+
+# admin API TLS
+
+@pytest.mark.parametrize("values, secret", [(ENGINE, None), (TLS_CERT_MANAGER, "graft-engine-admin-tls"),
+                                            (TLS_SECRET, "engine-admin-tls")],
+                         ids=["off", "cert-manager", "existing-secret"])
+def test_admin_tls_gives_engines_a_certificate_and_the_operator_its_ca(chart, values, secret):
+    objs = render(chart, values)
+    deployment, sts = one(objs, "Deployment"), one(objs, "StatefulSet")
+    (engine,), (operator,) = containers(deployment), containers(sts)
+    flags = dict(a.split("=", 1) for a in engine["args"] if a.startswith("--admin-tls"))
+    env = env_of(operator)
+    if secret is None:
+        assert not flags and not {"GRAFT_ADMIN_CA_FILE", "GRAFT_ADMIN_TLS_SERVER_NAME"} & set(env)
+        assert not of_kind(objs, "Certificate") and not of_kind(objs, "Issuer")
+        return
+    assert mounted_file(deployment, engine, flags["--admin-tls-cert"]) == (secret, "tls.crt")
+    assert mounted_file(deployment, engine, flags["--admin-tls-key"]) == (secret, "tls.key")
+    assert mounted_file(sts, operator, env["GRAFT_ADMIN_CA_FILE"]["value"]) == (secret, "ca.crt")
+    assert env["GRAFT_ADMIN_TLS_SERVER_NAME"]["value"] == f"{RELEASE}-engine.{NAMESPACE}.svc"
+    # the operator gets the CA and nothing else of that Secret: never the engines' private key
+    volumes = [v["secret"] for v in pod_template(sts)["spec"]["volumes"] if "secret" in v]
+    assert volumes == [{"secretName": secret, "items": [{"key": "ca.crt", "path": "ca.crt"}]}]
+
+
+CERT_MANAGER_FIELDS = {"secretName", "duration", "renewBefore", "dnsNames", "usages", "privateKey", "issuerRef",
+                       "isCA", "commonName"}
+
+
+def test_cert_manager_issues_the_engine_certificate_for_the_service_name(chart):
+    objs = render(chart, TLS_CERT_MANAGER)
+    certs = {c["spec"]["secretName"]: c for c in of_kind(objs, "Certificate")}
+    issuers = {i["metadata"]["name"]: i for i in of_kind(objs, "Issuer")}
+    for obj in of_kind(objs, "Certificate") + of_kind(objs, "Issuer"):
+        assert obj["metadata"]["namespace"] == NAMESPACE
+    assert all(set(c["spec"]) <= CERT_MANAGER_FIELDS for c in certs.values())
+    leaf = certs[f"{RELEASE}-engine-admin-tls"]
+    (operator,) = containers(one(objs, "StatefulSet"))
+    server_name = env_of(operator)["GRAFT_ADMIN_TLS_SERVER_NAME"]["value"]
+    service = one(objs, "Service", f"{RELEASE}-engine")
+    assert server_name == f'{service["metadata"]["name"]}.{service["metadata"]["namespace"]}.svc'
+    assert server_name in leaf["spec"]["dnsNames"] and "server auth" in leaf["spec"]["usages"]
+    # the chain the chart brings: engine certificate <- CA Issuer <- CA certificate <- self-signed Issuer
+    assert leaf["spec"]["issuerRef"]["kind"] == "Issuer"
+    ca_issuer = issuers[leaf["spec"]["issuerRef"]["name"]]
+    ca = certs[ca_issuer["spec"]["ca"]["secretName"]]
+    assert ca["spec"]["isCA"] is True and ca["spec"]["issuerRef"]["kind"] == "Issuer"
+    assert issuers[ca["spec"]["issuerRef"]["name"]]["spec"] == {"selfSigned": {}}
+
+    own = render(chart, merged(TLS_CERT_MANAGER, {"adminTLS": {"certManager": {
+        "issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"}}}}))
+    assert not of_kind(own, "Issuer")
+    (leaf,) = of_kind(own, "Certificate")
+    assert leaf["spec"]["issuerRef"] == {"name": "internal-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
 
 
 def test_engine_pods_serve_on_8000_with_a_gpu_and_health_probes(chart):
@@ -362,7 +485,8 @@ def test_engine_pods_serve_on_8000_with_a_gpu_and_health_probes(chart):
                                                     "modelVolume": {"persistentVolumeClaim": {"claimName": "llama"}}}}))
     deployment = one(objs, "Deployment")
     (engine,) = containers(deployment)
-    assert engine["args"][:4] == ["serve", "--host=0.0.0.0", "--port=8000", "--admin-port=8081"]
+    assert engine["args"][:3] == ["serve", "--host=0.0.0.0", "--port=8000"]
+    assert "--admin-port=8081" in engine["args"]
     assert "--model=/models/llama.gguf" in engine["args"]
     assert "/models" in {m["mountPath"] for m in engine["volumeMounts"]}
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -405,17 +529,6 @@ def test_gateway_api_sends_all_traffic_to_stable_until_a_rollout_moves_it(chart)
     for key, name in (("httpRoute", "graft-engine"), ("stableService", "graft-engine-stable"),
                       ("canaryService", "graft-engine-canary")):
         assert f"{key}: {name}" in notes_text
-
-
-def test_admin_token_secret_is_created_or_taken_as_given(chart):
-    created = one(render(chart, {"adminToken": {"value": "s3cret"}}), "Secret")
-    assert base64.b64decode(created["data"]["token"]).decode() == "s3cret"
-    generated = one(render(chart, {}), "Secret")
-    assert len(base64.b64decode(generated["data"]["token"])) == 48
-    objs = render(chart, merged(ENGINE, {"adminToken": {"existingSecret": "fleet-token"}}))
-    assert not of_kind(objs, "Secret")
-    volumes = pod_template(one(objs, "Deployment"))["spec"]["volumes"]
-    assert {v["secret"]["secretName"] for v in volumes if "secret" in v} == {"fleet-token"}
 
 
 # monitoring

@@ -54,8 +54,23 @@ app.kubernetes.io/component: engine
 {{- end -}}
 {{- end -}}
 
+{{/* The admin-token Secret, in the release's namespace: the engines mount it, the operator reads it. */}}
 {{- define "graft.adminTokenSecretName" -}}
 {{- default (printf "%s-admin-token" (include "graft.fullname" .)) .Values.adminToken.existingSecret -}}
+{{- end -}}
+
+{{/* The Secret with the engines' admin TLS certificate (tls.crt, tls.key, ca.crt); empty when off. */}}
+{{- define "graft.adminTLSSecretName" -}}
+{{- if .Values.adminTLS.certManager.enabled -}}
+{{- printf "%s-admin-tls" (include "graft.engineName" .) -}}
+{{- else -}}
+{{- .Values.adminTLS.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The name the operator expects in the engines' certificate: the engine Service's DNS name. */}}
+{{- define "graft.adminTLSServerName" -}}
+{{- default (printf "%s.%s.svc" (include "graft.engineName" .) .Release.Namespace) .Values.adminTLS.serverName -}}
 {{- end -}}
 
 {{- define "graft.peeringName" -}}
@@ -84,6 +99,22 @@ app.kubernetes.io/component: engine
 {{- end -}}
 {{- if and .Values.gatewayAPI.enabled (not .Values.gatewayAPI.parentRefs) -}}
 {{- fail "gatewayAPI.enabled needs gatewayAPI.parentRefs: the Gateway the HTTPRoute attaches to" -}}
+{{- end -}}
+{{- if and .Values.adminToken.generate .Values.adminToken.existingSecret -}}
+{{- fail "adminToken.generate makes the Secret itself and adminToken.existingSecret names one you manage: set only one" -}}
+{{- end -}}
+{{- if and .Values.adminTLS.certManager.enabled .Values.adminTLS.existingSecret -}}
+{{- fail "adminTLS.certManager.enabled issues the certificate and adminTLS.existingSecret holds one you manage: set only one" -}}
+{{- end -}}
+{{- if and .Values.adminTLS.certManager.enabled (not .Values.engine.enabled) -}}
+{{- fail "adminTLS.certManager.enabled issues a certificate for the chart's engines: set engine.enabled too (or bring adminTLS.existingSecret and adminTLS.serverName)" -}}
+{{- end -}}
+{{- if and .Values.adminTLS.existingSecret (not .Values.engine.enabled) (not .Values.adminTLS.serverName) -}}
+{{- fail "adminTLS.existingSecret without engine.enabled needs adminTLS.serverName: the name in your engines' certificate" -}}
+{{- end -}}
+{{- $keys := .Values.engine.bundles.trustedKeys -}}
+{{- if ne (empty $keys.configMap) (empty $keys.keys) -}}
+{{- fail "engine.bundles.trustedKeys needs both configMap and keys: the ConfigMap holding the public keys, and which of its keys to trust" -}}
 {{- end -}}
 {{- if and .Values.monitoring.prometheusOperator.enabled (not .Values.engine.enabled) (not .Values.monitoring.prometheusOperator.podSelector) -}}
 {{- fail "monitoring.prometheusOperator.enabled without engine.enabled needs monitoring.prometheusOperator.podSelector: which engine pods to scrape" -}}
