@@ -37,7 +37,12 @@ class ClearPromote:
     """Remove the graft.dev/promote annotation once acted on."""
 
 
-Action = PatchPod | UnpatchPod | LabelPod | SetWeight | ClearPromote
+@dataclass(slots=True, frozen=True)
+class PauseRollout:
+    """Set the rollout's spec.paused: the analysis cannot decide and a person must (resume or abort)."""
+
+
+Action = PatchPod | UnpatchPod | LabelPod | SetWeight | ClearPromote | PauseRollout
 
 
 @dataclass(slots=True, frozen=True)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 
 from graft.rollout import analysis as judge
-from graft.rollout.decision import (ClearPromote, Decision, Event, LabelPod, PatchPod, SetWeight,
-                                    UnpatchPod)
+from graft.rollout.decision import (ClearPromote, Decision, Event, LabelPod, PatchPod, PauseRollout,
+                                    SetWeight, UnpatchPod)
 from graft.rollout.durations import format_duration
 from graft.rollout.observation import PERMANENT_ERRORS, VERIFY_FAILED, Observation, PodObservation
 from graft.rollout.revision import has_patch, majority_stable, with_patch, without_patch
@@ -30,6 +30,8 @@ from graft.rollout.status import (CANARY, FAILED, FINAL, PAUSED, PENDING, PROGRE
                                   ROLLED_BACK, ROLLING_BACK, STABLE, PodRecord, RolloutStatus)
 
 WARNING = "Warning"
+# reasons for a pause the analysis asked for (a person resumes or aborts)
+INCONCLUSIVE_LIMIT, ERROR_LIMIT = "InconclusiveLimit", "AnalysisErrorLimit"
 
 
 def canary_target(pods: int, weight: int) -> int:
@@ -224,6 +226,7 @@ class _Machine:
     def start_step(self, index: int) -> None:
         s, step = self.s, self.spec.step(index)
         s.step_index, s.step_started_at, s.step_ready_at = index, self.now, None
+        s.analysis.inconclusive_runs = s.analysis.error_runs = 0
         pods = len(self.ready)
         self.event("StepStarted", f"{self.step_label}: weight {step.weight}%, "
                                   f"{canary_target(pods, step.weight)} of {pods} pods run {self.ref}"
@@ -266,15 +269,29 @@ class _Machine:
             self.progress_message(ready)
 
     def pause_or_resume(self) -> None:
-        s = self.s
-        if self.spec.paused and s.phase == PROGRESSING:
+        s, spec = self.s, self.spec
+        asked = s.pause_generation is not None
+        if asked and not spec.paused and self.obs.generation < s.pause_generation + 2:
+            # the analysis asked for spec.paused and it is not written (or not seen) yet: ask again
+            self.actions.append(PauseRollout())
+            return
+        if spec.paused and s.phase == PROGRESSING:
             s.phase = PAUSED
             self.event("Paused", f"paused at {self.step_label} (weight {s.weight}%)")
-        elif not self.spec.paused and s.phase == PAUSED:
-            s.phase, s.step_started_at = PROGRESSING, self.now
+        elif not spec.paused and s.phase == PAUSED:
+            s.phase, s.step_started_at, s.pause_generation = PROGRESSING, self.now, None
             if s.step_ready_at is not None:
                 s.step_ready_at = self.now
+            s.analysis.inconclusive_runs = s.analysis.error_runs = 0
             self.event("Resumed", f"resumed at {self.step_label}; its pause starts over")
+
+    def pause_for_analysis(self, reason: str, message: str) -> None:
+        """The analysis cannot decide: pause for a person, saying why, instead of holding to the deadline."""
+        s = self.s
+        s.phase, s.pause_generation = PAUSED, self.obs.generation
+        self.actions.append(PauseRollout())
+        s.reason, s.message = reason, f"{self.step_label}: {message}; paused: resume or abort"
+        self.event(reason, s.message, WARNING)
 
     def promote_request(self, how: str) -> None:
         s = self.s
@@ -331,28 +348,45 @@ class _Machine:
         passed = a.last_run is not None and a.last_run > s.step_ready_at and a.verdict == judge.SUCCESSFUL
         return paused_enough and passed
 
+    def final_evidence(self) -> bool:
+        """True at the last step that still has stable pods: gates must have their evidence here."""
+        return self.s.step_index + 2 >= len(self.spec.steps)
+
     def analyse(self) -> bool:
         """Fold this tick's measurements into the status; True when the run failed the rollout."""
         s, spec = self.s, self.spec
+        a = spec.analysis
         stable_pods = any(s.pod(p.name).track == STABLE for p in self.ready)
         before = s.analysis.verdict
-        verdict, results = judge.run(spec.analysis, self.obs.measurements, s.analysis.results,
-                                     stable_pods=stable_pods)
+        verdict, results = judge.run(a, self.obs.measurements, s.analysis.results,
+                                     stable_pods=stable_pods, final_evidence=self.final_evidence())
         s.analysis.last_run, s.analysis.verdict, s.analysis.results = self.now, verdict, results
         for r in results:
-            if r.verdict == judge.FAILED:
-                self.event("AnalysisFailed", r.message, WARNING)
+            if r.verdict == judge.FAILED and (r.role == "breaker" or r.conclusive):
+                self.event("AnalysisFailed", f"{r.role} {r.message}", WARNING)
         if verdict == judge.FAILED:
-            blamed = "; ".join(r.message for r in judge.failing(spec.analysis, results))
+            blamed = "; ".join(f"{r.role} {r.message}" for r in judge.failing(a, results))
             self.rollback("AnalysisFailed", f"analysis failed at {self.step_label}: {blamed}", ROLLED_BACK)
             return True
+        s.analysis.error_runs = s.analysis.error_runs + 1 if verdict == judge.ERROR else 0
+        paused_enough = s.step_ready_at is not None and self.now >= s.step_ready_at + spec.step(s.step_index).pause
+        holding = verdict == judge.INCONCLUSIVE and paused_enough and not s.full_promotion
+        s.analysis.inconclusive_runs = s.analysis.inconclusive_runs + 1 if holding else 0
         summary = "; ".join(r.message for r in results if not r.dry_run and r.verdict != judge.SKIPPED)
+        held = "; ".join(f"{r.role} {r.message}" for r in judge.holding(results))
         if verdict == judge.SUCCESSFUL and before != judge.SUCCESSFUL:
             self.event("AnalysisPassed", f"{self.step_label}: {summary}")
         elif verdict in (judge.INCONCLUSIVE, judge.ERROR) and before != verdict:
-            held = "; ".join(r.message for r in results
-                             if not r.dry_run and r.verdict in (judge.INCONCLUSIVE, judge.ERROR, judge.FAILED))
             self.event("AnalysisInconclusive", f"{self.step_label}: holding ({verdict}): {held}", WARNING)
+        if s.phase != PROGRESSING:
+            return False
+        if a.error_limit and s.analysis.error_runs >= a.error_limit:
+            self.pause_for_analysis(ERROR_LIMIT, f"the analysis failed {s.analysis.error_runs} runs in a row "
+                                                 f"(errorLimit {a.error_limit}): {held}")
+        elif a.inconclusive_limit and s.analysis.inconclusive_runs >= a.inconclusive_limit:
+            self.pause_for_analysis(INCONCLUSIVE_LIMIT,
+                                    f"the analysis held the step {s.analysis.inconclusive_runs} runs past its "
+                                    f"pause (inconclusiveLimit {a.inconclusive_limit}): {held}")
         return False
 
     def waiting_for(self, ready: bool) -> str:
@@ -385,7 +419,8 @@ class _Machine:
         head = f"{self.step_label}: weight {self.spec.step(s.step_index).weight}%, " \
                f"{canaries} of {len(self.ready)} pods canary"
         if s.phase == PAUSED:
-            s.reason, s.message = "Paused", f"{head}; paused"
+            if s.pause_generation is None:      # a pause the analysis asked for keeps its reason
+                s.reason, s.message = "Paused", f"{head}; paused"
             return
         why = self.waiting_for(ready)
         if not self.ready:

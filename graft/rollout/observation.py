@@ -41,13 +41,18 @@ class PodObservation:
 
 @dataclass(slots=True)
 class Measurement:
-    """One metric check's numbers from Prometheus. `value=None`: the query returned nothing."""
+    """One check's numbers, as its plan names them (graft.rollout.queries.plan).
 
-    name: str
-    value: float | None = None
-    requests: float | None = None          # canary requests in the window (gated checks)
-    stable_requests: float | None = None   # stable requests in the window (comparisons)
-    error: str | None = None               # the provider failed: unreachable, bad query, timeout
+    `check` is the check's key (`breaker/error-rate`, `gate/tpot-p99`). A value of None: the query
+    returned nothing. `error`: the provider failed (unreachable, a bad query, a timeout).
+    """
+
+    check: str
+    values: dict[str, float | None] = field(default_factory=dict)
+    error: str | None = None
+
+    def get(self, key: str) -> float | None:
+        return self.values.get(key)
 
 
 @dataclass(slots=True)

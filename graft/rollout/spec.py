@@ -7,8 +7,6 @@ field path, the way the API server does (`spec.steps[2].weight: ...`).
 """
 from __future__ import annotations
 
-import os
-
 import copy
 import math
 import re
@@ -27,16 +25,43 @@ METRIC_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
 NO_DATA_POLICIES = ("hold", "fail", "pass")
 SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+# label keys and values as the API server validates them (an optional DNS-subdomain prefix, a name)
+LABEL_NAME_PATTERN = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+LABEL_KEY_PATTERN = rf"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?{LABEL_NAME_PATTERN}"
+LABEL_VALUE_PATTERN = rf"({LABEL_NAME_PATTERN})?"
+MAX_STEPS = 20
+MAX_CHECKS = 20
+MAX_QUERY = 8192
+MAX_SELECTOR_TERMS = 16
+BREAKER, GATE = "breaker", "gate"
+STEP_WINDOW = "step"
 
-# The defaults, spelled as in a manifest; the CRD carries the very same values (a test compares them).
+# The built-in checks: what each measures and its defaults, spelled as in a manifest.
+#   rate:        canary errors / requests against an absolute limit, judged on counts with bounds
+#   difference:  canary error rate minus stable error rate, judged on counts with bounds
+#   quantile:    a latency quantile from a histogram, absolute (max) or relative to stable (maxRatio)
+#   utilisation: CPU seconds per second over the engine's CPU quota
 BUILTIN_METRICS: dict[str, dict[str, Any]] = {
-    "error-rate": {"max": 0.005, "window": "60s", "consecutive": 3},
-    "latency-p99": {"max": 0.8, "window": "30s"},
-    "cpu": {"max": 0.92, "window": "120s"},
-    "success-rate": {"min": 0.9995, "window": "60s"},
-    "error-rate-delta": {"max": 0.001, "window": "60s"},
+    "error-rate": {"kind": "rate", "window": "60s"},
+    "success-rate": {"kind": "rate", "window": "60s"},
+    "error-rate-delta": {"kind": "difference", "window": STEP_WINDOW},
+    "latency-p99": {"kind": "quantile", "window": "60s"},
+    "ttft-p99": {"kind": "quantile", "window": "60s"},
+    "tpot-p99": {"kind": "quantile", "window": "60s"},
+    "cpu": {"kind": "utilisation", "window": "120s"},
 }
-DEFAULT_METRICS: list[dict[str, Any]] = [{"name": n, **v} for n, v in BUILTIN_METRICS.items()]
+# The default analysis for a rollout that names no checks and no template. Absolute latency depends
+# on hardware, model and prompts, so latency is judged against stable; errors both ways.
+DEFAULT_BREAKERS: list[dict[str, Any]] = [
+    {"name": "error-rate", "max": 0.005, "window": "60s", "consecutive": 3},
+    {"name": "ttft-p99", "maxRatio": 1.5, "window": "30s", "consecutive": 3},
+    {"name": "tpot-p99", "maxRatio": 1.3, "window": "30s", "consecutive": 3},
+    {"name": "cpu", "max": 0.92, "window": "120s", "consecutive": 3},
+]
+DEFAULT_GATES: list[dict[str, Any]] = [
+    {"name": "error-rate-delta", "max": 0.001},
+    {"name": "tpot-p99", "maxRatio": 1.2, "window": "60s"},
+]
 DEFAULT_STEPS: list[dict[str, Any]] = [
     {"weight": 1, "pause": "5m"},
     {"weight": 5, "pause": "10m"},
@@ -44,22 +69,26 @@ DEFAULT_STEPS: list[dict[str, Any]] = [
     {"weight": 50, "pause": "10m"},
     {"weight": 100},
 ]
-# the fleet-wide default; the operator's deployment sets it (the Helm chart's `prometheus.address`)
-DEFAULT_PROMETHEUS = os.environ.get("GRAFT_PROMETHEUS_ADDRESS") or "http://prometheus.monitoring:9090"
+DEFAULT_CONFIDENCE = 0.95
+DEFAULT_ROLLBACK_CONFIDENCE = 0.999
+DEFAULT_INCONCLUSIVE_LIMIT = 20
+DEFAULT_ERROR_LIMIT = 4
+# What the CRD defaults (the API server stores these); the checks themselves default in parse_spec,
+# because a rollout that names a template must not also get the default list.
 DEFAULTS: dict[str, Any] = {
     "trafficRouting": {"podRatio": {}},
     "steps": DEFAULT_STEPS,
     "analysis": {
-        "prometheus": {"address": DEFAULT_PROMETHEUS},
         "interval": "30s",
-        "metrics": DEFAULT_METRICS,
         "noData": "hold",
-        "minRequests": 20,
+        "confidence": DEFAULT_CONFIDENCE,
+        "rollbackConfidence": DEFAULT_ROLLBACK_CONFIDENCE,
+        "inconclusiveLimit": DEFAULT_INCONCLUSIVE_LIMIT,
+        "errorLimit": DEFAULT_ERROR_LIMIT,
     },
     "progressDeadline": "30m",
     "paused": False,
 }
-DEFAULT_WINDOW = "60s"
 
 
 @dataclass(slots=True, frozen=True)
@@ -146,19 +175,31 @@ class Step:
 
 
 @dataclass(slots=True, frozen=True)
-class MetricCheck:
+class Check:
+    """One check of the analysis: a breaker (rolls back) or a gate (must hold to promote a step)."""
+
     name: str
-    max: float | None
-    min: float | None
-    window: float
-    window_text: str
-    consecutive: int = 1
-    query: str | None = None
+    role: str                          # breaker | gate
+    metric: str                        # a key of BUILTIN_METRICS, or "custom"
+    max: float | None = None
+    min: float | None = None
+    max_ratio: float | None = None     # quantiles: canary <= max_ratio x stable
+    window: float | None = 60.0        # seconds; None: since the step was in place
+    window_text: str = "60s"
+    consecutive: int = 1               # breakers: breaches in a row that roll back
+    query: str | None = None           # custom checks: PromQL giving one number
     dry_run: bool = False
+    min_samples: int | None = None     # the traffic floor; None: derived from the threshold
+
+    @property
+    def kind(self) -> str:
+        return "custom" if self.metric == "custom" else BUILTIN_METRICS[self.metric]["kind"]
 
     @property
     def threshold(self) -> str:
         parts = []
+        if self.max_ratio is not None:
+            parts.append(f"<= {self.max_ratio:g} x stable")
         if self.min is not None:
             parts.append(f">= {self.min:g}")
         if self.max is not None:
@@ -167,20 +208,47 @@ class MetricCheck:
 
     @property
     def comparison(self) -> bool:
-        """True when the check compares canary with stable (needs stable traffic)."""
-        return queries.is_comparison(self.query or queries.BUILTIN_QUERIES.get(self.name, ""))
+        """True when the check compares canary with stable (meaningless once no stable pod is left)."""
+        if self.metric == "custom":
+            return queries.is_comparison(self.query or "")
+        return self.kind == "difference" or self.max_ratio is not None
+
+    @property
+    def key(self) -> str:
+        """Unique across the analysis: a breaker and a gate may share a name."""
+        return f"{self.role}/{self.name}"
 
     def breached(self, value: float) -> bool:
-        return (self.max is not None and value > self.max) or (self.min is not None and value < self.min)
+        limit_max = self.max_ratio if self.max_ratio is not None else self.max
+        return (limit_max is not None and value > limit_max) or (self.min is not None and value < self.min)
+
+
+@dataclass(slots=True, frozen=True)
+class PrometheusSource:
+    """Where the analysis asks: an address ('' means the operator's default) and how to log in."""
+
+    address: str = ""
+    bearer_token_secret: tuple[str, str] | None = None    # (Secret name, key) in the rollout's namespace
+    ca_secret: tuple[str, str] | None = None              # a PEM CA bundle to verify TLS with
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
 class Analysis:
-    prometheus: str
+    prometheus: PrometheusSource
     interval: float
-    metrics: tuple[MetricCheck, ...]
+    breakers: tuple[Check, ...]
+    gates: tuple[Check, ...]
     no_data: str = "hold"
-    min_requests: int = 20
+    confidence: float = DEFAULT_CONFIDENCE
+    rollback_confidence: float = DEFAULT_ROLLBACK_CONFIDENCE
+    inconclusive_limit: int = DEFAULT_INCONCLUSIVE_LIMIT
+    error_limit: int = DEFAULT_ERROR_LIMIT
+    templates: tuple[tuple[str, bool], ...] = ()          # (name, cluster-scoped) as referenced
+
+    @property
+    def checks(self) -> tuple[Check, ...]:
+        return self.breakers + self.gates
 
 
 @dataclass(slots=True, frozen=True)
@@ -206,13 +274,29 @@ def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
         elif key == "analysis" and isinstance(out[key], dict):
             for k, v in value.items():
                 out[key].setdefault(k, copy.deepcopy(v))
-            if isinstance(out[key].get("prometheus"), dict):
-                out[key]["prometheus"].setdefault("address", DEFAULT_PROMETHEUS)
     return out
 
 
-def parse_spec(spec: Mapping[str, Any]) -> RolloutSpec:
-    """Parse and validate a PatchRollout `spec`; raises SpecError naming every bad field."""
+Templates = Mapping[tuple[str, bool], Mapping[str, Any]]
+
+
+def template_refs(spec: Mapping[str, Any]) -> list[tuple[str, bool]]:
+    """The analysis templates a spec names, as (name, cluster-scoped); [] when none or malformed."""
+    analysis = spec.get("analysis") if isinstance(spec, Mapping) else None
+    refs = analysis.get("templates") if isinstance(analysis, Mapping) else None
+    if not isinstance(refs, list):
+        return []
+    return [(t["name"], bool(t.get("clusterScope", False))) for t in refs
+            if isinstance(t, Mapping) and isinstance(t.get("name"), str)]
+
+
+def parse_spec(spec: Mapping[str, Any], templates: Templates | None = None) -> RolloutSpec:
+    """Parse and validate a PatchRollout `spec`; raises SpecError naming every bad field.
+
+    `templates` maps each (name, cluster-scoped) the spec references to that template's `spec`; the
+    operator reads them from the API server. A template's checks come first, the rollout's own
+    checks replace those of the same name and role.
+    """
     r = _Reader()
     if not isinstance(spec, Mapping):
         raise SpecError([FieldError("spec", "must be an object")])
@@ -223,8 +307,10 @@ def parse_spec(spec: Mapping[str, Any]) -> RolloutSpec:
     patch = _patch(r, spec.get("patch"), "spec.patch")
     routing = _routing(r, spec.get("trafficRouting"), "spec.trafficRouting")
     steps = _steps(r, spec.get("steps"), "spec.steps")
-    analysis = _analysis(r, spec.get("analysis"), "spec.analysis")
+    analysis = _analysis(r, spec.get("analysis"), "spec.analysis", templates or {})
     deadline = r.duration(spec, "progressDeadline", "spec")
+    if "progressDeadline" in spec and deadline <= 0 and not r.errors_at("spec.progressDeadline"):
+        r.fail("spec.progressDeadline", "must be longer than zero")
     paused = r.boolean(spec, "paused", "spec")
     if r.errors:
         raise SpecError(r.errors)
@@ -239,6 +325,10 @@ class _Reader:
 
     def fail(self, path: str, message: str) -> None:
         self.errors.append(FieldError(path, message))
+
+    def errors_at(self, path: str) -> bool:
+        return any(e.path == path or e.path.startswith(path + ".") or e.path.startswith(path + "[")
+                   for e in self.errors)
 
     def obj(self, value: Any, path: str, required: bool = True) -> dict | None:
         if value is None:
@@ -271,12 +361,20 @@ class _Reader:
             return None
         return value
 
-    def number(self, d: dict, key: str, path: str) -> float | None:
+    def number(self, d: dict, key: str, path: str, lo: float | None = None,
+               hi: float | None = None, open_lo: bool = False) -> float | None:
         value = d.get(key)
         if value is None:
             return None
+        where = f"{path}.{key}"
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            self.fail(f"{path}.{key}", "must be a finite number")
+            self.fail(where, "must be a finite number")
+            return None
+        if lo is not None and (value < lo or (open_lo and value == lo)):
+            self.fail(where, f"must be {'greater than' if open_lo else 'at least'} {lo:g}")
+            return None
+        if hi is not None and value > hi:
+            self.fail(where, f"must be at most {hi:g}")
             return None
         return float(value)
 
@@ -305,24 +403,56 @@ class _Reader:
         return parse_duration(text) if text else 0.0
 
 
+def _label_key(r: _Reader, key: Any, where: str) -> bool:
+    if not isinstance(key, str) or len(key) > 317 or not re.fullmatch(LABEL_KEY_PATTERN, key) \
+            or len(key.rpartition("/")[2]) > 63 or len(key.rpartition("/")[0]) > 253:
+        r.fail(where, f"{key!r} is not a valid label key (an optional DNS-subdomain prefix and '/', "
+                      "then at most 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric)")
+        return False
+    return True
+
+
+def _label_value(r: _Reader, value: Any, where: str) -> bool:
+    if not isinstance(value, str) or len(value) > 63 or not re.fullmatch(LABEL_VALUE_PATTERN, value):
+        r.fail(where, f"{value!r} is not a valid label value (at most 63 letters, digits, '-', '_' or '.', "
+                      "starting and ending alphanumeric)")
+        return False
+    return True
+
+
 def _selector(r: _Reader, value: Any, path: str) -> LabelSelector:
     d = r.obj(value, path)
     if d is None:
         return LabelSelector()
     r.known(d, path, ("matchLabels", "matchExpressions"))
+    errors_before = len(r.errors)
     labels = d.get("matchLabels") or {}
-    if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+    if not isinstance(labels, dict):
         r.fail(f"{path}.matchLabels", "must map label names to string values")
         labels = {}
-    errors_before = len(r.errors)
+    labels = {k: v for k, v in labels.items()
+              if _label_key(r, k, f"{path}.matchLabels") and _label_value(r, v, f"{path}.matchLabels.{k}")}
+    raw = d.get("matchExpressions") or []
+    if not isinstance(raw, list):
+        r.fail(f"{path}.matchExpressions", "must be a list")
+        raw = []
+    elif len(raw) > MAX_SELECTOR_TERMS:
+        r.fail(f"{path}.matchExpressions", f"must have at most {MAX_SELECTOR_TERMS} items")
     exprs = []
-    for i, e in enumerate(d.get("matchExpressions") or []):
+    for i, e in enumerate(raw[:MAX_SELECTOR_TERMS]):
         where = f"{path}.matchExpressions[{i}]"
         if r.obj(e, where) is None:
             continue
+        r.known(e, where, ("key", "operator", "values"))
         key = r.string(e, "key", where)
         op = r.string(e, "operator", where)
         values = e.get("values") or []
+        if key is not None and not _label_key(r, key, f"{where}.key"):
+            key = None
+        if not isinstance(values, list):
+            r.fail(f"{where}.values", "must be a list")
+            values = []
+        values = [v for j, v in enumerate(values) if _label_value(r, v, f"{where}.values[{j}]")]
         if op is not None and op not in SELECTOR_OPERATORS:
             r.fail(f"{where}.operator", f"must be one of {', '.join(SELECTOR_OPERATORS)}")
         elif op in ("In", "NotIn") and not values:
@@ -330,7 +460,7 @@ def _selector(r: _Reader, value: Any, path: str) -> LabelSelector:
         elif op in ("Exists", "DoesNotExist") and values:
             r.fail(f"{where}.values", f"must be empty for operator {op}")
         if key and op in SELECTOR_OPERATORS:
-            exprs.append((key, op, tuple(str(v) for v in values)))
+            exprs.append((key, op, tuple(values)))
     if not labels and not exprs and len(r.errors) == errors_before:
         r.fail(path, "must select something: an empty selector would match every pod in the namespace")
     return LabelSelector(dict(labels), tuple(exprs))
@@ -423,71 +553,214 @@ def _steps(r: _Reader, value: Any, path: str) -> tuple[Step, ...]:
     return tuple(steps)
 
 
-def _analysis(r: _Reader, value: Any, path: str) -> Analysis:
+def _analysis(r: _Reader, value: Any, path: str, templates: Templates) -> Analysis:
     d = r.obj(value, path) or {}
-    r.known(d, path, ("prometheus", "interval", "metrics", "noData", "minRequests"))
-    prom = r.obj(d.get("prometheus"), f"{path}.prometheus") or {}
-    r.known(prom, f"{path}.prometheus", ("address",))
-    address = r.string(prom, "address", f"{path}.prometheus", r"^https?://.+") or ""
+    r.known(d, path, ("prometheus", "interval", "breakers", "gates", "templates", "args", "noData",
+                      "confidence", "rollbackConfidence", "inconclusiveLimit", "errorLimit"))
+    source = _prometheus(r, d.get("prometheus"), f"{path}.prometheus")
     interval = r.duration(d, "interval", path)
-    if interval and interval < 0.1:
-        r.fail(f"{path}.interval", "must be at least 100ms")
+    if not r.errors_at(f"{path}.interval") and interval < 1:
+        r.fail(f"{path}.interval", "must be at least 1s (Prometheus needs two scrapes in a window)")
     no_data = d.get("noData", "hold")
     if no_data not in NO_DATA_POLICIES:
         r.fail(f"{path}.noData", f"must be one of {', '.join(NO_DATA_POLICIES)}")
-    min_requests = r.integer(d, "minRequests", path, 0)
-    metrics = d.get("metrics")
-    checks: list[MetricCheck] = []
-    if not isinstance(metrics, list) or not metrics:
-        r.fail(f"{path}.metrics", "must be a non-empty list")
-    else:
+    confidence = r.number(d, "confidence", path, 0.5, 0.9999)
+    rollback_confidence = r.number(d, "rollbackConfidence", path, 0.5, 0.9999)
+    inconclusive_limit = r.integer(d, "inconclusiveLimit", path, 0, 1000)
+    error_limit = r.integer(d, "errorLimit", path, 0, 1000)
+    refs = _template_refs(r, d.get("templates"), f"{path}.templates")
+    args = _args(r, d.get("args"), f"{path}.args")
+
+    lists: dict[str, list[tuple[dict, str]]] = {"breakers": [], "gates": []}
+    for name, cluster in refs:
+        template = templates.get((name, cluster))
+        if template is None:
+            r.fail(f"{path}.templates", f"{'cluster' if cluster else 'namespaced'} analysis template "
+                                        f"{name!r} was not found")
+            continue
+        where = f"{'ClusterPatchAnalysisTemplate' if cluster else 'PatchAnalysisTemplate'} {name}"
+        targs = {**_args(r, template.get("args"), f"{where}: spec.args", need_values=False), **args}
+        for key in ("breakers", "gates"):
+            items = template.get(key) or []
+            if not isinstance(items, list):
+                r.fail(f"{where}: spec.{key}", "must be a list")
+                continue
+            for i, item in enumerate(items):
+                lists[key].append((_with_args(r, item, targs, f"{where}: spec.{key}[{i}]"),
+                                   f"{where}: spec.{key}[{i}]"))
+    own_given = any(k in d for k in ("breakers", "gates"))
+    for key in ("breakers", "gates"):
+        items = d.get(key)
+        if items is None:
+            if not refs and not own_given:
+                items = DEFAULT_BREAKERS if key == "breakers" else DEFAULT_GATES
+            else:
+                items = []
+        if not isinstance(items, list):
+            r.fail(f"{path}.{key}", "must be a list")
+            continue
+        if len(items) > MAX_CHECKS:
+            r.fail(f"{path}.{key}", f"must have at most {MAX_CHECKS} items")
+        names = [i.get("name") for i in items if isinstance(i, dict)]
+        lists[key] = [(t, w) for t, w in lists[key] if t.get("name") not in names]
+        lists[key] += [(_with_args(r, item, args, f"{path}.{key}[{i}]"), f"{path}.{key}[{i}]")
+                       for i, item in enumerate(items)]
+    parsed: dict[str, list[Check]] = {"breakers": [], "gates": []}
+    for key, role in (("breakers", BREAKER), ("gates", GATE)):
         seen: set[str] = set()
-        for i, item in enumerate(metrics):
-            check = _metric(r, item, f"{path}.metrics[{i}]")
+        for item, where in lists[key]:
+            check = _check(r, item, where, role)
             if check is None:
                 continue
             if check.name in seen:
-                r.fail(f"{path}.metrics[{i}].name", f"duplicate metric {check.name!r}")
+                r.fail(f"{where}.name", f"duplicate {role} {check.name!r}")
             seen.add(check.name)
-            checks.append(check)
-    return Analysis(address, interval, tuple(checks), no_data if no_data in NO_DATA_POLICIES else "hold",
-                    20 if min_requests is None else min_requests)
+            parsed[key].append(check)
+    if not parsed["breakers"] and not parsed["gates"] and not r.errors_at(path):
+        r.fail(path, "needs at least one breaker or gate")
+    return Analysis(source, interval, tuple(parsed["breakers"]), tuple(parsed["gates"]),
+                    no_data if no_data in NO_DATA_POLICIES else "hold",
+                    DEFAULT_CONFIDENCE if confidence is None else confidence,
+                    DEFAULT_ROLLBACK_CONFIDENCE if rollback_confidence is None else rollback_confidence,
+                    DEFAULT_INCONCLUSIVE_LIMIT if inconclusive_limit is None else inconclusive_limit,
+                    DEFAULT_ERROR_LIMIT if error_limit is None else error_limit, tuple(refs))
 
 
-def _metric(r: _Reader, value: Any, path: str) -> MetricCheck | None:
+def _prometheus(r: _Reader, value: Any, path: str) -> PrometheusSource:
+    d = r.obj(value, path, required=False) or {}
+    r.known(d, path, ("address", "bearerTokenSecret", "caSecret", "headers"))
+    address = r.string(d, "address", path, r"https?://[^\s]+", required=False) or ""
+    secrets = []
+    for key in ("bearerTokenSecret", "caSecret"):
+        ref = r.obj(d.get(key), f"{path}.{key}", required=False)
+        if ref is None:
+            secrets.append(None)
+            continue
+        r.known(ref, f"{path}.{key}", ("name", "key"))
+        name = r.string(ref, "name", f"{path}.{key}", K8S_NAME_PATTERN)
+        item = r.string(ref, "key", f"{path}.{key}", r"[-._a-zA-Z0-9]{1,253}")
+        secrets.append((name, item) if name and item else None)
+    headers = []
+    raw = d.get("headers") or []
+    if not isinstance(raw, list):
+        r.fail(f"{path}.headers", "must be a list")
+        raw = []
+    for i, h in enumerate(raw[:16]):
+        where = f"{path}.headers[{i}]"
+        h = r.obj(h, where) or {}
+        r.known(h, where, ("name", "value"))
+        name = r.string(h, "name", where, r"[A-Za-z0-9-]{1,64}")
+        text = r.string(h, "value", where, r"[^\r\n]{1,4096}")
+        if name and text:
+            headers.append((name, text))
+    return PrometheusSource(address, secrets[0], secrets[1], tuple(headers))
+
+
+def _template_refs(r: _Reader, value: Any, path: str) -> list[tuple[str, bool]]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > 8:
+        r.fail(path, "must be a list of at most 8 template references")
+        return []
+    refs = []
+    for i, item in enumerate(value):
+        d = r.obj(item, f"{path}[{i}]") or {}
+        r.known(d, f"{path}[{i}]", ("name", "clusterScope"))
+        name = r.string(d, "name", f"{path}[{i}]", K8S_NAME_PATTERN)
+        cluster = r.boolean(d, "clusterScope", f"{path}[{i}]")
+        if name:
+            refs.append((name, cluster))
+    return refs
+
+
+def _args(r: _Reader, value: Any, path: str, need_values: bool = True) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, list) or len(value) > 32:
+        r.fail(path, "must be a list of at most 32 arguments")
+        return {}
+    out = {}
+    for i, item in enumerate(value):
+        d = r.obj(item, f"{path}[{i}]") or {}
+        r.known(d, f"{path}[{i}]", ("name", "value"))
+        name = r.string(d, "name", f"{path}[{i}]", r"[A-Za-z][A-Za-z0-9_]{0,62}")
+        text = r.string(d, "value", f"{path}[{i}]", required=need_values)
+        if name and text is not None:
+            out[name] = text
+    return out
+
+
+def _with_args(r: _Reader, item: Any, args: dict[str, str], where: str) -> Any:
+    """A check with `{{args.NAME}}` in its query filled from the arguments."""
+    if not isinstance(item, dict) or not isinstance(item.get("query"), str):
+        return item
+    try:
+        return {**item, "query": queries.fill_args(item["query"], args)}
+    except KeyError as e:
+        r.fail(f"{where}.query", str(e.args[0]))
+        return item
+
+
+def _check(r: _Reader, value: Any, path: str, role: str) -> Check | None:
     d = r.obj(value, path)
     if d is None:
         return None
-    r.known(d, path, ("name", "max", "min", "window", "consecutive", "query", "dryRun"))
+    r.known(d, path, ("name", "metric", "max", "min", "maxRatio", "window", "consecutive", "query",
+                      "dryRun", "minSamples"))
     name = r.string(d, "name", path, METRIC_NAME_PATTERN)
     if name is None:
         return None
     query = r.string(d, "query", path, required=False)
-    builtin = BUILTIN_METRICS.get(name)
-    if builtin is None and query is None:
-        r.fail(f"{path}.query", f"required: {name!r} is not a built-in metric "
-                                f"({', '.join(BUILTIN_METRICS)})")
+    if query is not None and len(query) > MAX_QUERY:
+        r.fail(f"{path}.query", f"must be at most {MAX_QUERY} characters")
+    metric = r.string(d, "metric", path, required=False)
+    if metric is None:
+        metric = "custom" if query is not None or name not in BUILTIN_METRICS else name
+    if metric != "custom" and metric not in BUILTIN_METRICS:
+        r.fail(f"{path}.metric", f"{metric!r} is not a built-in metric ({', '.join(BUILTIN_METRICS)})")
         return None
+    if metric == "custom" and query is None:
+        r.fail(f"{path}.query", f"required: {name!r} is not a built-in metric ({', '.join(BUILTIN_METRICS)})")
+        return None
+    if metric != "custom" and query is not None:
+        r.fail(f"{path}.query", f"a built-in metric ({metric}) takes no query; give the check another name")
     if query is not None:
         unknown = queries.unknown_vars(query)
         if unknown:
             r.fail(f"{path}.query", f"unknown template variable(s) {', '.join(unknown)} "
                                     f"(known: {', '.join(queries.TEMPLATE_VARS)})")
-    given = {k: d[k] for k in ("max", "min", "window", "consecutive") if k in d}
-    base = dict(builtin or {})
-    if "max" in given or "min" in given:
-        base.pop("max", None)
-        base.pop("min", None)
-    merged = {**base, **given}
-    lo, hi = r.number(merged, "min", path), r.number(merged, "max", path)
-    if lo is None and hi is None and not [e for e in r.errors if e.path.startswith(path)]:
-        r.fail(path, "needs a threshold: max, min or both")
+    kind = "custom" if metric == "custom" else BUILTIN_METRICS[metric]["kind"]
+    hi = r.number(d, "max", path, 0 if kind != "custom" else None)
+    lo = r.number(d, "min", path, 0 if kind != "custom" else None)
+    ratio = r.number(d, "maxRatio", path, 0, open_lo=True)
+    if kind in ("rate", "difference") and (hi is not None and hi > 1 or lo is not None and lo > 1):
+        r.fail(path, f"{metric} is a fraction: its limits lie between 0 and 1")
+    if ratio is not None and kind != "quantile":
+        r.fail(f"{path}.maxRatio", "only latency quantiles (latency-p99, ttft-p99, tpot-p99) compare with "
+                                   "stable by ratio")
+    if kind == "difference" and (lo is not None or hi is None):
+        r.fail(f"{path}.max", f"required: {metric} allows the canary at most this much more error than stable")
+    if metric == "error-rate" and lo is not None:
+        r.fail(f"{path}.min", "error-rate takes max; success-rate takes min")
+    if metric == "success-rate" and hi is not None:
+        r.fail(f"{path}.max", "success-rate takes min; error-rate takes max")
+    if hi is None and lo is None and ratio is None and not r.errors_at(path):
+        r.fail(path, "needs a threshold: max, min" + (" or maxRatio" if kind == "quantile" else ""))
     if lo is not None and hi is not None and lo > hi:
         r.fail(f"{path}.min", f"must not exceed max ({hi:g})")
-    window_text = merged.get("window", DEFAULT_WINDOW)
-    window = r.duration({"window": window_text}, "window", path)
-    if window_text and window == 0 and re.fullmatch(DURATION_PATTERN, str(window_text)):
-        r.fail(f"{path}.window", "must be longer than zero")
-    consecutive = r.integer(merged, "consecutive", path, 1)
+    window_text = d.get("window", BUILTIN_METRICS.get(metric, {}).get("window", "60s"))
+    window: float | None = None
+    if window_text == STEP_WINDOW and kind in ("rate", "difference"):
+        window = None
+    else:
+        window = r.duration({"window": window_text}, "window", path)
+        if not r.errors_at(f"{path}.window") and window < 1:
+            r.fail(f"{path}.window", "must be at least 1s (a rate needs two scrapes in its window)"
+                   + ("; or 'step' for the traffic since the step was in place" if kind in ("rate", "difference") else ""))
+    consecutive = r.integer(d, "consecutive", path, 1, 100)
+    if role == GATE and consecutive is not None:
+        r.fail(f"{path}.consecutive", "gates take no consecutive: a failing gate holds the step until it passes")
+    min_samples = r.integer(d, "minSamples", path, 1, 10_000_000)
     dry_run = r.boolean(d, "dryRun", path)
-    return MetricCheck(name, hi, lo, window, str(window_text), consecutive or 1, query, dry_run)
+    return Check(name, role, metric, hi, lo, ratio, window, str(window_text), consecutive or 1, query,
+                 dry_run, min_samples)

@@ -54,7 +54,7 @@ class PodRecord:
 
 @dataclass(slots=True)
 class CheckResult:
-    """One metric check of the latest analysis run."""
+    """One check of the latest analysis run, with the numbers it was judged on."""
 
     name: str
     verdict: str
@@ -64,17 +64,25 @@ class CheckResult:
     breaches: int = 0
     dry_run: bool = False
     message: str = ""
+    role: str = "breaker"              # breaker | gate
+    conclusive: bool = False           # a gate's failure strong enough to roll back
+    short: bool = False                # Inconclusive for lack of traffic (not for lack of data)
+    numbers: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return _compact({"name": self.name, "value": self.value, "threshold": self.threshold,
-                         "window": self.window, "verdict": self.verdict, "breaches": self.breaches,
-                         "dryRun": self.dry_run, "message": self.message})
+        return _compact({"name": self.name, "role": self.role, "value": self.value,
+                         "threshold": self.threshold, "window": self.window, "verdict": self.verdict,
+                         "breaches": self.breaches, "dryRun": self.dry_run or None,
+                         "conclusive": self.conclusive or None, "short": self.short or None,
+                         "message": self.message,
+                         "numbers": {k: float(f"{v:.6g}") for k, v in self.numbers.items()} or None})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CheckResult":
         return cls(d["name"], d.get("verdict", ""), d.get("threshold", ""), d.get("window", ""),
                    d.get("value"), int(d.get("breaches", 0)), bool(d.get("dryRun", False)),
-                   d.get("message", ""))
+                   d.get("message", ""), d.get("role", "breaker"), bool(d.get("conclusive", False)),
+                   bool(d.get("short", False)), dict(d.get("numbers") or {}))
 
 
 @dataclass(slots=True)
@@ -82,19 +90,23 @@ class AnalysisStatus:
     last_run: float | None = None
     verdict: str | None = None
     results: list[CheckResult] = field(default_factory=list)
+    inconclusive_runs: int = 0         # holding runs in a row since the step's pause ended
+    error_runs: int = 0                # runs in a row the provider failed
 
-    def result(self, name: str) -> CheckResult | None:
-        return next((r for r in self.results if r.name == name), None)
+    def result(self, name: str, role: str | None = None) -> CheckResult | None:
+        return next((r for r in self.results if r.name == name and (role is None or r.role == role)), None)
 
     def to_dict(self) -> dict[str, Any]:
         return _compact({"lastRun": to_time(self.last_run), "verdict": self.verdict,
+                         "inconclusiveRuns": self.inconclusive_runs, "errorRuns": self.error_runs,
                          "results": [r.to_dict() for r in self.results]})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "AnalysisStatus":
         d = d or {}
         return cls(from_time(d.get("lastRun")), d.get("verdict"),
-                   [CheckResult.from_dict(r) for r in d.get("results") or []])
+                   [CheckResult.from_dict(r) for r in d.get("results") or []],
+                   int(d.get("inconclusiveRuns") or 0), int(d.get("errorRuns") or 0))
 
 
 @dataclass(slots=True)
@@ -114,6 +126,7 @@ class RolloutStatus:
     cause: str = ""                     # why it is rolling back
     full_promotion: bool = False
     observed_generation: int = 0
+    pause_generation: int | None = None # the generation at which the analysis asked for a pause
     pods: list[PodRecord] = field(default_factory=list)
     analysis: AnalysisStatus = field(default_factory=AnalysisStatus)
 
@@ -133,6 +146,7 @@ class RolloutStatus:
             "startedAt": to_time(self.started_at), "stepStartedAt": to_time(self.step_started_at),
             "stepReadyAt": to_time(self.step_ready_at), "endPhase": self.end_phase or None, "cause": self.cause or None,
             "fullPromotion": self.full_promotion, "observedGeneration": self.observed_generation,
+            "pauseGeneration": self.pause_generation,
             "pods": [p.to_dict() for p in self.pods],
             "analysis": self.analysis.to_dict(),
             "conditions": [
@@ -154,6 +168,7 @@ class RolloutStatus:
             step_started_at=from_time(d.get("stepStartedAt")), step_ready_at=from_time(d.get("stepReadyAt")),
             end_phase=d.get("endPhase") or "", cause=d.get("cause") or "", full_promotion=bool(d.get("fullPromotion")),
             observed_generation=int(d.get("observedGeneration") or 0),
+            pause_generation=None if d.get("pauseGeneration") is None else int(d["pauseGeneration"]),
             pods=[PodRecord.from_dict(p) for p in d.get("pods") or []],
             analysis=AnalysisStatus.from_dict(d.get("analysis")),
         )
