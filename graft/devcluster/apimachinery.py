@@ -16,14 +16,24 @@ from typing import Any
 
 import kmock
 
-from graft.devcluster.crd import FieldError
-
 Predicate = Callable[[dict[str, Any]], bool]
 
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS_SUBDOMAIN = rf"{_DNS_LABEL}(\.{_DNS_LABEL})*"
 _REQUIREMENT = re.compile(r"(?P<neg>!)?\s*(?P<key>[A-Za-z0-9][-A-Za-z0-9_./]*)\s*(?:(?P<op>==|=|!=)\s*"
                           r"(?P<value>[-A-Za-z0-9_.]*)|\s+(?P<set>in|notin)\s*\((?P<values>[^()]*)\))?")
+
+
+@dataclass(frozen=True, slots=True)
+class FieldError:
+    """One field-level complaint, worded like the API server's ``field.Error``."""
+
+    field: str
+    reason: str  # FieldValueInvalid, FieldValueRequired, FieldValueNotSupported, ...
+    detail: str  # the message without the field path
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.detail}"
 
 
 @dataclass(frozen=True, slots=True)

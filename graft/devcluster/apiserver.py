@@ -48,8 +48,9 @@ import bisect
 import functools
 import json
 import os
+import re
 import signal
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -61,6 +62,7 @@ import kmock
 import yaml
 from kmock._internal import rendering as kmock_rendering  # StreamingError, for __call__
 
+from graft.devcluster import openapi, tables
 from graft.devcluster.apimachinery import (Predicate, Target, api_error, conflict, field_selector, label_selector,
                                            merge_patch, not_found, parse_target, sort_key, status,
                                            strip_directives, verb, version_priority, watch_event)
@@ -94,6 +96,7 @@ class ApiServer(kmock.KubernetesEmulator):
     _store: ObjectStore = attrs.field(init=False)
     _stopping: bool = attrs.field(default=False, init=False)
     _server: kmock.Server | None = attrs.field(default=None, init=False)
+    _openapi: dict[str, tuple[int, dict[str, Any], str]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         # The stock emulator's own routes and write interception are replaced, not extended:
@@ -104,6 +107,8 @@ class ApiServer(kmock.KubernetesEmulator):
         self.fallback["get /version/"] << self._serve_server_version
         self.fallback["get /api/"] << self._serve_api
         self.fallback["get /apis/"] << self._serve_apis
+        self.fallback["get", re.compile(r"/openapi/v3/?")] << self._serve_openapi_paths
+        self.fallback["get", re.compile(r"/openapi/v3/apis?/.+")] << self._serve_openapi
         routes = {"list": self._serve_list, "watch": self._serve_watch, "get": self._serve_get,
                   "create": self._serve_create, "update": self._serve_update, "patch": self._serve_patch,
                   "delete": self._serve_delete, "deletecollection": self._serve_delete_collection}
@@ -207,10 +212,34 @@ class ApiServer(kmock.KubernetesEmulator):
                 "groupVersion": f"{group}/{version}" if group else version, "resources": entries}
 
     async def _serve_root(self, request: kmock.Request) -> dict[str, Any]:
-        paths = {"/api", "/api/v1", "/apis", "/version"}
+        paths = {"/api", "/api/v1", "/apis", "/version", "/openapi/v3"}
         paths |= {p for res in self.resources if res.group for p in (f"/apis/{res.group}",
                                                                      f"/apis/{res.group}/{res.version}")}
         return {"paths": sorted(paths)}
+
+    async def _serve_openapi_paths(self, request: kmock.Request) -> dict[str, Any]:
+        gvs = {(res.group, str(res.version)) for res in self.resources}
+        return openapi.discovery({_gv_path(g, v): self._openapi_doc(g, v)[1] for g, v in gvs})
+
+    async def _serve_openapi(self, request: kmock.Request) -> dict[str, Any]:
+        parts = request.url.path.strip("/").split("/")[2:]  # api/v1 or apis/{group}/{version}
+        group, version = ("", parts[1]) if parts[0] == "api" and len(parts) == 2 else (
+            (parts[1], parts[2]) if parts[0] == "apis" and len(parts) == 3 else ("", ""))
+        if not any((res.group, res.version) == (group, version) for res in self.resources):
+            raise kmock.KubernetesResourceNotFoundError()
+        return self._openapi_doc(group, version)[0]
+
+    def _openapi_doc(self, group: str, version: str) -> tuple[dict[str, Any], str]:
+        """A group/version's OpenAPI document and its hash, rebuilt only after a CRD came or went."""
+        cached = self._openapi.get(_gv_path(group, version))
+        if cached is not None and cached[0] == self._store.epoch:
+            return cached[1], cached[2]
+        resources = [openapi.Resource(str(res.plural), str(info.kind), bool(info.namespaced),
+                                      tuple(sorted(info.subresources)), self._store.crds.get(res))
+                     for res, info in self.resources.items() if (res.group, res.version) == (group, version)]
+        doc = openapi.document(group, version, sorted(resources, key=lambda r: r.plural))
+        self._openapi[_gv_path(group, version)] = (self._store.epoch, doc, openapi.digest(doc))
+        return doc, self._openapi[_gv_path(group, version)][2]
 
     def _group(self, group: str) -> dict[str, Any]:
         versions = sorted({str(res.version) for res in self.resources if res.group == group},
@@ -222,7 +251,13 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _serve_get(self, request: kmock.Request) -> dict[str, Any]:
         target, _ = self._resolve(request, subresources=("status",))
-        return self._store.existing(target)
+        obj = self._store.existing(target)
+        version = tables.table_version(_header(request, "accept"))
+        if version is not None:
+            return tables.table(version, self._columns(target), [obj],
+                                {"resourceVersion": obj["metadata"]["resourceVersion"]},
+                                request.params.get("includeObject", "Metadata"))
+        return obj
 
     async def _serve_list(self, request: kmock.Request) -> dict[str, Any]:
         target, info = self._resolve(request)
@@ -238,6 +273,10 @@ class ApiServer(kmock.KubernetesEmulator):
             meta["remainingItemCount"] = len(items) - limit
             items = items[:limit]
             meta["continue"] = base64.urlsafe_b64encode(json.dumps(sort_key(items[-1])).encode()).decode()
+        version = tables.table_version(_header(request, "accept"))
+        if version is not None:
+            return tables.table(version, self._columns(target), items, meta,
+                                request.params.get("includeObject", "Metadata"))
         return {"kind": f"{info.kind}List", "apiVersion": target.api_version, "metadata": meta, "items": items}
 
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
@@ -253,10 +292,11 @@ class ApiServer(kmock.KubernetesEmulator):
         initial = since == "0" or bookmark
         last = store.rv if initial else int(since)
         snapshot = [obj for obj in store.items(target.resource, target.namespace) if match(obj)] if initial else []
+        as_table = self._table_events(request, target)
         yield b""  # send the headers now: a quiet watch is still a live one
 
         for obj in snapshot:
-            yield {"type": "ADDED", "object": obj}
+            yield as_table({"type": "ADDED", "object": obj})
         if bookmark:
             yield {"type": "BOOKMARK", "object": {"kind": info.kind, "apiVersion": target.api_version, "metadata": {
                 "resourceVersion": str(last), "annotations": {"k8s.io/initial-events-end": "true"}}}}
@@ -270,7 +310,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 last = change.rv
                 event = watch_event(change, target.resource, match)
                 if event is not None:
-                    yield event
+                    yield as_table(event)
             if changes:
                 continue
             wait = None if deadline is None else deadline - asyncio.get_running_loop().time()
@@ -322,6 +362,29 @@ class ApiServer(kmock.KubernetesEmulator):
                    for obj in self._store.items(target.resource, target.namespace) if match(obj)]
         return {"kind": f"{info.kind}List", "apiVersion": target.api_version,
                 "metadata": {"resourceVersion": str(self._store.rv)}, "items": deleted}
+
+    def _columns(self, target: Target) -> tuple[list[dict[str, Any]], tables.Cells]:
+        """The columns ``kubectl get`` prints for a resource: its CRD's printer columns, or the built-in ones."""
+        version = self._store.crds.get(target.resource)
+        if version is None:
+            return tables.builtin_columns(target.resource.group, str(target.resource.plural))
+        return tables.crd_columns(version.columns or [
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}])
+
+    def _table_events(self, request: kmock.Request, target: Target) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        """How a watch sends its events: as they are, or as one-row Tables (column definitions only first)."""
+        version = tables.table_version(_header(request, "accept"))
+        if version is None:
+            return lambda event: event
+        columns, include, sent = self._columns(target), request.params.get("includeObject", "Metadata"), []
+
+        def convert(event: dict[str, Any]) -> dict[str, Any]:
+            obj = event["object"]
+            row = tables.table(version, columns, [obj], {"resourceVersion": obj["metadata"]["resourceVersion"]},
+                               include, headers=not sent)
+            sent.append(True)
+            return {"type": event["type"], "object": row}
+        return convert
 
     def _resolve(self, request: kmock.Request, subresources: tuple[str, ...] = ()) -> tuple[Target, kmock.ResourceInfo]:
         target = parse_target(request.url.path)
@@ -397,9 +460,16 @@ def _is_verb(name: str, request: kmock.Request) -> bool:
     return target is not None and verb(str(request.method.value), target, request.params) == name
 
 
+def _gv_path(group: str, version: str) -> str:
+    return f"apis/{group}/{version}" if group else f"api/{version}"
+
+
+def _header(request: kmock.Request, name: str) -> str:
+    return next((v for k, v in request.headers.items() if k.lower() == name), "")
+
+
 def _content_type(request: kmock.Request) -> str:
-    value = next((v for k, v in request.headers.items() if k.lower() == "content-type"), "")
-    return value.split(";")[0].strip().lower()
+    return _header(request, "content-type").split(";")[0].strip().lower()
 
 
 def _matcher(request: kmock.Request, target: Target) -> Predicate:

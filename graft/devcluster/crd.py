@@ -1,6 +1,6 @@
 """CustomResourceDefinitions as the API server treats them: served versions, pruning, defaults, validation.
 
-A custom resource written to kube-apiserver goes through three steps before it is stored, and the
+A custom resource written to kube-apiserver goes through these steps before it is stored, and the
 emulator repeats them in the same order:
 
 1. pruning: fields the schema does not know are dropped (kept under
@@ -8,22 +8,31 @@ emulator repeats them in the same order:
 2. structural defaulting: every ``default`` of a missing property is filled in, at any depth,
    including inside array items and inside defaults that were just filled in;
 3. validation against the ``openAPIV3Schema`` (with ``jsonschema``), reported field by field in
-   the API server's words, e.g. ``spec.steps[2].weight: Invalid value: 150: ...``.
+   the API server's words, e.g. ``spec.steps[2].weight: Invalid value: 150: ...``; ``pattern``
+   is matched as Go's ``regexp`` does (RE2, unanchored search, ``$`` only at the very end);
+4. ``x-kubernetes-list-type``: a ``set`` holds no value twice, a ``map`` no key twice (on an
+   update, only when the old object obeyed this too);
+5. CEL rules (``x-kubernetes-validations``, see :mod:`graft.devcluster.cel`), unless step 3 found
+   an error that makes them meaningless (a wrong type, a missing required field, ...).
 
-CEL rules (``x-kubernetes-validations``) and ``format`` checks are not evaluated: an object that
-only a CEL rule or a format would refuse is accepted here. Versions are not converted: each served
-version keeps its own objects.
+``format`` checks are not evaluated, nor is validation ratcheting (an update must pass every check,
+even on fields it left alone). Versions are not converted: each served version keeps its own objects.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
+import re2
+
+from graft.devcluster import cel
+from graft.devcluster.apimachinery import FieldError
 
 # Keys whose value is a map of property name -> schema, a list of schemas, or a single schema.
 _SCHEMA_MAPS = ("properties", "patternProperties", "definitions")
@@ -35,16 +44,11 @@ _TYPE_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", 
                list: "array", type(None): "null"}
 
 
-@dataclass(frozen=True, slots=True)
-class FieldError:
-    """One field-level complaint, worded like the API server's ``field.Error``."""
-
-    field: str
-    reason: str  # FieldValueInvalid, FieldValueRequired, FieldValueNotSupported, ...
-    detail: str  # the message without the field path
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.detail}"
+# Schema errors that make CEL rules meaningless: kube-apiserver then skips them and says so.
+_BLOCKING = ("FieldValueNotSupported", "FieldValueRequired", "FieldValueTooLong", "FieldValueTooMany",
+             "FieldValueTypeInvalid")
+_RULES_SKIPPED = FieldError("<nil>", "FieldValueInvalid", 'Invalid value: "null": some validation rules were not '
+                            "checked because the object was invalid; correct the existing errors to complete validation")
 
 
 @dataclass(slots=True)
@@ -61,6 +65,7 @@ class CrdVersion:
     categories: tuple[str, ...] = ()
     subresources: tuple[str, ...] = ()
     schema: dict[str, Any] | None = None
+    columns: tuple[dict[str, Any], ...] = ()  # additionalPrinterColumns, for kubectl's tables
     _validator: Any = field(default=None, init=False, repr=False)
 
     def prune(self, obj: dict[str, Any]) -> list[str]:
@@ -75,14 +80,27 @@ class CrdVersion:
         if self.schema is not None:
             _default(obj, self.schema)
 
-    def validate(self, obj: dict[str, Any]) -> list[FieldError]:
-        """Check an (already pruned and defaulted) object; return its field errors, sorted."""
+    def validate(self, obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[FieldError]:
+        """Check an (already pruned and defaulted) object, ``old`` being what it replaces on an update.
+
+        The errors come in kube-apiserver's order: the schema's (sorted by field), the list types',
+        then the CEL rules'.
+        """
         if self.schema is None:
             return []
         if self._validator is None:
-            self._validator = jsonschema.Draft4Validator(_json_schema(self.schema))
-        errors = {str(e): e for err in self._validator.iter_errors(obj) for e in _field_errors(err)}
-        return sorted(errors.values(), key=lambda e: (e.field, e.detail))
+            self._validator = _Validator(_json_schema(self.schema))
+        found = {str(e): e for err in self._validator.iter_errors(obj) for e in _field_errors(err)}
+        errors = sorted(found.values(), key=lambda e: (e.field, e.detail))
+        if old is None or not _list_errors(old, self.schema, ""):
+            errors += _list_errors(obj, self.schema, "")
+        rules = _rules(self.schema)
+        if rules is not None:
+            if any(e.reason in _BLOCKING for e in errors):
+                errors.append(_RULES_SKIPPED)
+            else:
+                errors += cel.validate(rules, obj, old)
+        return errors
 
 
 def served_versions(crd: dict[str, Any]) -> list[CrdVersion]:
@@ -105,12 +123,13 @@ def served_versions(crd: dict[str, Any]) -> list[CrdVersion]:
             categories=tuple(names.get("categories") or ()),
             subresources=tuple(sorted(subresources)),
             schema=(v.get("schema") or {}).get("openAPIV3Schema"),
+            columns=tuple(v.get("additionalPrinterColumns") or ()),
         ))
     return result
 
 
 def check(crd: dict[str, Any]) -> list[FieldError]:
-    """The API server's basic checks of a CRD: names, group, scope, versions and their schemas."""
+    """The API server's checks of a CRD: names, group, scope, versions, their schemas and CEL rules."""
     spec = crd.get("spec") or {}
     names = spec.get("names") or {}
     versions = spec.get("versions")
@@ -123,12 +142,21 @@ def check(crd: dict[str, Any]) -> list[FieldError]:
             errors.append(FieldError(f"spec.versions[{i}].name", "FieldValueRequired", "Required value"))
             continue
         schema = (version.get("schema") or {}).get("openAPIV3Schema")
+        path = f"spec.versions[{i}].schema.openAPIV3Schema"
         try:
             if schema is not None:
                 jsonschema.Draft4Validator.check_schema(_json_schema(schema))
         except (jsonschema.SchemaError, AttributeError, TypeError) as e:
-            errors.append(FieldError(f"spec.versions[{i}].schema.openAPIV3Schema", "FieldValueInvalid",
-                                     f"Invalid value: {getattr(e, 'message', e)}"))
+            errors.append(FieldError(path, "FieldValueInvalid", f"Invalid value: {getattr(e, 'message', e)}"))
+            continue
+        if schema is not None:
+            errors += _schema_errors(schema, path)
+            errors += cel.compile_schema(schema, path)[1]
+        for j, column in enumerate(version.get("additionalPrinterColumns") or ()):
+            for key in ("name", "type", "jsonPath"):
+                if not isinstance(column, dict) or not column.get(key):
+                    errors.append(FieldError(f"spec.versions[{i}].additionalPrinterColumns[{j}].{key}",
+                                             "FieldValueRequired", "Required value"))
     if spec.get("scope", "Namespaced") not in ("Namespaced", "Cluster"):
         errors.append(FieldError("spec.scope", "FieldValueNotSupported",
                                  f'Unsupported value: {json.dumps(spec.get("scope"))}: '
@@ -144,6 +172,58 @@ def check(crd: dict[str, Any]) -> list[FieldError]:
             errors.append(FieldError("spec.versions", "FieldValueInvalid",
                                      "Invalid value: must have exactly one version marked as storage version"))
     return errors
+
+
+def _schema_errors(schema: dict[str, Any], path: str) -> list[FieldError]:
+    """What kube-apiserver refuses in a structural schema beyond its shape: bad patterns, bad list types."""
+    errors = []
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        try:
+            _regex(pattern)
+        except re2.error as e:
+            errors.append(FieldError(f"{path}.pattern", "FieldValueInvalid", f"Invalid value: {json.dumps(pattern)}: "
+                                     f"must be a valid regular expression, but isn't: {e}"))
+    list_type = schema.get("x-kubernetes-list-type")
+    if list_type is not None and list_type not in ("atomic", "set", "map"):
+        errors.append(FieldError(f"{path}.x-kubernetes-list-type", "FieldValueNotSupported",
+                                 f'Unsupported value: {json.dumps(list_type)}: supported values: "atomic", "set", "map"'))
+    keys = schema.get("x-kubernetes-list-map-keys") or []
+    if list_type == "map":
+        known = (schema.get("items") or {}).get("properties") or {}
+        if not keys:
+            errors.append(FieldError(f"{path}.x-kubernetes-list-map-keys", "FieldValueRequired",
+                                     "Required value: must not be empty if x-kubernetes-list-type is map"))
+        errors += [FieldError(f"{path}.x-kubernetes-list-map-keys", "FieldValueInvalid",
+                              f"Invalid value: {json.dumps(keys)}: entries must all be names of item properties")
+                   for key in keys if key not in known][:1]
+    for key, sub in _children(schema, path):
+        errors += _schema_errors(sub, key)
+    return errors
+
+
+def _children(schema: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    for key in _SCHEMA_MAPS:
+        for name, sub in (schema.get(key) or {}).items():
+            if isinstance(sub, dict):
+                yield f"{path}.{key}[{name}]", sub
+    for key in _SCHEMA_LISTS:
+        for i, sub in enumerate(schema.get(key) or ()):
+            if isinstance(sub, dict):
+                yield f"{path}.{key}[{i}]", sub
+    for key in _SCHEMA_ONE:
+        if isinstance(schema.get(key), dict):
+            yield f"{path}.{key}", schema[key]
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_rules(text: str) -> cel.Node | None:
+    return cel.compile_schema(json.loads(text), "")[0]
+
+
+def _rules(schema: dict[str, Any]) -> cel.Node | None:
+    """The schema's compiled CEL rules, compiled once per distinct schema."""
+    return _compiled_rules(json.dumps(schema, sort_keys=True))
 
 
 class InvalidCrd(ValueError):
@@ -207,6 +287,63 @@ def _default(value: Any, schema: dict[str, Any]) -> None:
 
 # validation
 
+@functools.lru_cache(maxsize=512)
+def _regex(pattern: str) -> Any:
+    """A pattern compiled as Go's ``regexp`` would: RE2 syntax, where ``$`` is the end of the text."""
+    return re2.compile(pattern)
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: dict[str, Any]) -> Iterator[jsonschema.ValidationError]:
+    # kube-openapi's check is regexp.MatchString: a search, anchored only where the pattern says so.
+    if isinstance(instance, str) and _regex(pattern).search(instance) is None:
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+_Validator = jsonschema.validators.extend(jsonschema.Draft4Validator, {"pattern": _pattern})
+
+
+def _list_errors(value: Any, schema: dict[str, Any], path: str) -> list[FieldError]:
+    """``x-kubernetes-list-type`` checks: no value twice in a ``set``, no key twice in a ``map``."""
+    errors: list[FieldError] = []
+    if isinstance(value, list):
+        list_type = schema.get("x-kubernetes-list-type")
+        keys = schema.get("x-kubernetes-list-map-keys") or ()
+        seen: set[str] = set()
+        for i, item in enumerate(value):
+            if list_type == "set":
+                key, shown = json.dumps(item, sort_keys=True), _go_value(item)
+            elif list_type == "map" and isinstance(item, dict):
+                key_fields = {k: item[k] for k in keys if k in item}
+                key, shown = json.dumps(key_fields, sort_keys=True), _go_value(key_fields)
+            else:
+                continue
+            if key in seen:
+                errors.append(FieldError(f"{path}[{i}]", "FieldValueDuplicate", f"Duplicate value: {shown}"))
+            seen.add(key)
+        items = schema.get("items")
+        if isinstance(items, dict):
+            for i, item in enumerate(value):
+                errors += _list_errors(item, items, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            sub = props.get(key, extra if isinstance(extra, dict) else None)
+            if sub is not None:
+                errors += _list_errors(item, sub, _join(path, key))
+    return errors
+
+
+def _go_value(value: Any) -> str:
+    """A value as Go's ``%#v`` prints the decoded JSON in field errors (``map[string]interface {}{...}``)."""
+    if isinstance(value, dict):
+        inner = ", ".join(f"{json.dumps(k)}:{_go_value(v)}" for k, v in sorted(value.items()))
+        return f"map[string]interface {{}}{{{inner}}}"
+    if isinstance(value, list):
+        return f"[]interface {{}}{{{', '.join(_go_value(v) for v in value)}}}"
+    return json.dumps(value)
+
+
 def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """Translate an OpenAPI v3 structural schema into a JSON Schema (draft 4) one."""
     out: dict[str, Any] = {}
@@ -244,8 +381,9 @@ def _field_errors(err: jsonschema.ValidationError) -> Iterator[FieldError]:
                              f"Unsupported value: {_show(value)}: supported values: {supported}")
         case "type":
             expected = ",".join(limit) if isinstance(limit, list) else limit
-            actual = _TYPE_NAMES.get(type(value), type(value).__name__)
-            yield _invalid(here, json.dumps(actual), f"{here} in body must be of type {expected}: {json.dumps(actual)}")
+            actual = json.dumps(_TYPE_NAMES.get(type(value), type(value).__name__))
+            yield FieldError(here, "FieldValueTypeInvalid",
+                             f"Invalid value: {actual}: {here} in body must be of type {expected}: {actual}")
         case "maximum":
             op = "less than" if err.schema.get("exclusiveMaximum") else "less than or equal to"
             yield _invalid(here, _show(value), f"{here} in body should be {op} {limit}")

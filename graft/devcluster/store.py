@@ -47,6 +47,7 @@ class ObjectStore:
         self.log_floor = 0  # every change after this resourceVersion is still in the log
         self.wakeup = asyncio.Event()  # set, then replaced, on every change
         self.crds: dict[kmock.resource, crds.CrdVersion] = {}
+        self.epoch = 0  # bumped whenever a CRD registers or goes: what the OpenAPI documents are built from
 
     # reading
 
@@ -115,7 +116,7 @@ class ObjectStore:
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=now(), generation=1)
         if "status" in info.subresources:
             obj.pop("status", None)
-        self._admit(target, obj, params)
+        self._admit(target, obj, None, params)
         self._fill_server_side(target, obj)
         return obj if params.get("dryRun") == "All" else self._commit(target.resource, obj, None)
 
@@ -150,7 +151,7 @@ class ObjectStore:
             if set(meta.get("finalizers") or ()) - set(old["metadata"].get("finalizers") or ()):
                 raise self._invalid(target, [crds.FieldError("metadata.finalizers", "FieldValueForbidden",
                                     "Forbidden: no new finalizers can be added if the object is being deleted")])
-        self._admit(target, new, params)
+        self._admit(target, new, old, params)
         self._fill_server_side(target, new)
         if _desired_state(new, info) != _desired_state(old, info):
             meta["generation"] = int(old["metadata"].get("generation") or 0) + 1
@@ -214,17 +215,19 @@ class ObjectStore:
                 if ns == namespace and not item.deleted:
                     self.delete(res, item.raw, {})
 
-    def _admit(self, target: Target, obj: dict[str, Any], params: dict[str, str]) -> None:
-        """Prune, default and validate a custom resource against its CRD's schema."""
+    def _admit(self, target: Target, obj: dict[str, Any], old: dict[str, Any] | None,
+               params: dict[str, str]) -> None:
+        """Prune, default and validate a custom resource against its CRD (``old``: what an update replaces)."""
         version = self.crds.get(target.resource)
         if version is None:
             return
         dropped = version.prune(obj)
         if dropped and params.get("fieldValidation") == "Strict":
-            raise api_error(400, "BadRequest", "strict decoding error: "
+            raise api_error(400, "BadRequest", f'{version.kind} in version "{version.version}" cannot be handled as a '
+                            f"{version.kind}: strict decoding error: "
                             + ", ".join(f'unknown field "{path}"' for path in dropped))
         version.default(obj)
-        errors = version.validate(obj)
+        errors = version.validate(obj, old)
         if errors:
             raise self._invalid(target, errors)
 
@@ -249,6 +252,7 @@ class ObjectStore:
                              "storedVersions": [v["name"] for v in spec["versions"] if v.get("storage")]}
 
     def _register(self, crd: dict[str, Any]) -> None:
+        self.epoch += 1
         for version in crds.served_versions(crd):
             resource = kmock.resource(version.group, version.version, version.plural)
             self.resources[resource] = kmock.ResourceInfo(
@@ -260,6 +264,7 @@ class ObjectStore:
         spec = crd.get("spec") or {}
         plural = (spec.get("names") or {}).get("plural")
         served = [res for res in self.crds if (res.group, res.plural) == (spec.get("group"), plural)]
+        self.epoch += 1
         for res in served:
             del self.crds[res]
             del self.resources[res]
