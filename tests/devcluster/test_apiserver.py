@@ -17,7 +17,8 @@ import yaml
 
 from graft.devcluster.apiserver import ApiServer
 
-KUBECTL = "/usr/bin/kubectl"
+from .kubectl_cli import kubectl_binary, run_kubectl
+
 GROUP = "devcluster.graft.dev"
 WIDGETS = f"/apis/{GROUP}/v1/namespaces/default/widgets"
 WIDGET_CRD = {
@@ -466,9 +467,7 @@ def cluster(tmp_path_factory) -> Path:
         process.wait(10)
 
 
-def kubectl(kubeconfig: Path, *args: str, stdin: str | None = None, timeout: int = 20) -> subprocess.CompletedProcess:
-    return subprocess.run(["timeout", "-k", "5", str(timeout), KUBECTL, f"--kubeconfig={kubeconfig}", *args],
-                          input=stdin, capture_output=True, text=True)
+kubectl = run_kubectl
 
 
 def test_kubectl_applies_lists_labels_patches_and_deletes_custom_resources(cluster):
@@ -502,7 +501,7 @@ def test_kubectl_shows_why_an_invalid_custom_resource_is_refused(cluster):
 
 def test_kubectl_get_watch_sees_a_change(cluster):
     kubectl(cluster, "apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(widget("watched")))
-    watcher = subprocess.Popen(["timeout", "-k", "5", "20", KUBECTL, f"--kubeconfig={cluster}", "get", "widget",
+    watcher = subprocess.Popen(["timeout", "-k", "5", "20", kubectl_binary(), f"--kubeconfig={cluster}", "get", "widget",
                                 "watched", "-w", "-o", "jsonpath={.spec.size}{'\\n'}"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue[str] = queue.Queue()
