@@ -45,7 +45,8 @@ class Request:
 
     def body(self, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "temperature": self.temperature,
-                                "ignore_eos": self.ignore_eos, "stream": True}
+                                "ignore_eos": self.ignore_eos, "stream": True,
+                                "stream_options": {"include_usage": True}}
         if self.chat:
             body["messages"] = [{"role": "user", "content": self.prompt}]
         else:

@@ -4,12 +4,17 @@ The step loop owns the scheduler, the block manager and the runner; nothing else
 event loop talks to it only by messages (add, abort, call-between-steps), and gets tokens back
 through one asyncio queue per request. Tokenization and detokenization stay on the event loop's
 side (worker threads), never in the step loop.
+
+One request's failure is its own: a request whose sampling, logprobs, token delivery or outcome
+fails inside a step is finished with an error on its own and the rest of the batch carries on. Only
+a failure of the step as a whole (the forward pass) fails every request in it.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
+import operator
 import queue
 import threading
 import time
@@ -28,11 +33,14 @@ from graft.engine.patches.slots import SlotTable
 from graft.engine.runner import DTYPES, ModelRunner, resolve_device
 from graft.engine.sampler import sample_per_row
 from graft.engine.scheduler import QueueFull, Scheduler, default_policy
-from graft.engine.sequence import FinishReason, SamplingParams, Sequence
+from graft.engine.sequence import FinishReason, InvalidParam, SamplingParams, Sequence, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
 PROBE_BLOCKS = 1  # KV blocks kept aside for the patch self-check probe
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model all but rules out
+SHUTDOWN = "server_shutting_down"   # the error code of a request cut at the end of the grace period
+INTERNAL = "internal_error"
 
 
 def no_outcome(seq: Sequence) -> tuple[float, bool]:
@@ -44,11 +52,99 @@ class EngineDraining(RuntimeError):
     """The engine is shutting down and admits nothing new."""
 
 
+def _floor(logprob: float) -> float:
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN and -inf too
+
+
+class GuardedSampler:
+    """The `sampler` slot wrapped so that a row that cannot be sampled fails alone.
+
+    The batch is sampled in one call as usual. If that call raises, the generators of seeded rows
+    are rewound and each row is sampled on its own: the rows that fail are known, and the others
+    get the very tokens they would have had. A returned value that is not a token id fails its row
+    too. Rows that ask for logprobs get them from the model's distribution (before temperature and
+    filtering, as OpenAI reports them). After a call, `failures` and `logprobs` are keyed by row.
+    """
+
+    def __init__(self, sampler: Callable[..., list[int]], vocab_size: int):
+        self.sampler = sampler
+        self.vocab_size = vocab_size
+        self.failures: dict[int, str] = {}
+        self.logprobs: dict[int, TokenLogprobs] = {}
+
+    def reset(self) -> None:
+        self.failures, self.logprobs = {}, {}
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[int]:
+        self.reset()
+        states = [gen.get_state() if gen is not None else None for gen in generators]
+        try:
+            tokens = list(self.sampler(logits, params, generators))
+            if len(tokens) != len(params):
+                raise RuntimeError(f"the sampler returned {len(tokens)} tokens for {len(params)} rows")
+        except Exception:
+            log.exception("sampling a batch of %d rows failed; sampling each row on its own", len(params))
+            for gen, state in zip(generators, states):
+                if gen is not None:
+                    gen.set_state(state)
+            tokens = [self._one(logits, i, params[i], generators[i]) for i in range(len(params))]
+        for i, token in enumerate(tokens):
+            tokens[i] = self._token_id(i, token)
+        self._add_logprobs(logits, tokens, params)
+        return tokens
+
+    def _one(self, logits: torch.Tensor, row: int, params: SamplingParams,
+             generator: torch.Generator | None) -> int:
+        try:
+            (token,) = self.sampler(logits[row:row + 1], [params], [generator])
+            return token
+        except Exception:
+            log.exception("sampling row %d failed", row)
+            self.failures[row] = "internal error while sampling this request"
+            return 0
+
+    def _token_id(self, row: int, token: object) -> int:
+        if row in self.failures:
+            return 0
+        try:
+            token = operator.index(token)
+        except TypeError:
+            token = -1
+        if not 0 <= token < self.vocab_size:
+            log.error("the sampler returned %r for row %d, not a token id", token, row)
+            self.failures[row] = "internal error while sampling this request"
+            return 0
+        return token
+
+    def _add_logprobs(self, logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> None:
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None and i not in self.failures]
+        if not rows:
+            return
+        try:
+            dev = logits.device
+            logprobs = logits[torch.tensor(rows, device=dev)].float().log_softmax(dim=-1)
+            chosen = logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows], device=dev))[:, 0].tolist()
+            k = max(params[i].logprobs for i in rows)
+            top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+            top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+            for j, i in enumerate(rows):
+                n = params[i].logprobs
+                top = [(t, _floor(lp)) for t, lp in zip(top_ids[j][:n], top_lp[j][:n])]
+                self.logprobs[i] = TokenLogprobs(tokens[i], _floor(chosen[j]), top)
+        except Exception:
+            log.exception("computing logprobs failed for %d rows", len(rows))
+            for i in rows:
+                self.failures[i] = "internal error while computing logprobs"
+
+
 @dataclass(slots=True)
 class TokenEvent:
     token_id: int | None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    code: str | None = None             # with `error`: SHUTDOWN or INTERNAL
+    logprobs: TokenLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -121,6 +217,7 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.metrics.set_revision(None, self.revision)
         self.eos_ids = set(self.tokenizer.stop_token_ids)
+        self._guard: tuple[SlotTable, SlotTable, GuardedSampler] | None = None
         self._inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[int, _Stream] = {}
@@ -147,21 +244,40 @@ class LLMEngine:
     def num_active(self) -> int:
         return len(self._streams) + self._pending_adds
 
-    async def drain(self, grace: float) -> bool:
-        """Stop admitting and wait up to `grace` seconds for in-flight requests; True if all finished."""
+    async def drain(self, grace: float, cut_wait: float = 5.0) -> bool:
+        """Stop admitting and wait up to `grace` seconds for in-flight requests; True if all finished.
+
+        Requests still running at the deadline are ended there with a SHUTDOWN error, so each
+        client gets a proper answer (an SSE error event, or a 503) before the server closes.
+        """
         self.draining = True
         deadline = time.monotonic() + grace
         while self.num_active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return self.num_active == 0
+        if not self.num_active:
+            return True
+        log.warning("grace period over with %d requests in flight: ending them", self.num_active)
+        self._inbox.put(("cut", "the server shut down before the request finished", None))
+        self._wakeup.set()
+        deadline = time.monotonic() + cut_wait
+        while self.num_active and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return False
 
     # requests (called from the event loop)
     def validate(self, prompt_len: int, params: SamplingParams) -> None:
+        """Refuse (ValueError, InvalidParam) what the step loop could not run; nothing else gets in."""
         if prompt_len == 0:
             raise ValueError("the prompt is empty")
         if prompt_len >= self.config.max_model_len:
             raise ValueError(f"the prompt has {prompt_len} tokens; this model's context is "
                              f"{self.config.max_model_len} tokens including the completion")
+        params.validate()
+        vocab = self.model_config.vocab_size
+        if params.top_k > vocab:
+            raise InvalidParam("top_k", f"must be at most the vocabulary size ({vocab}); 0 turns it off")
+        if params.max_tokens > self.config.max_model_len:
+            raise InvalidParam("max_tokens", f"must be at most the context length ({self.config.max_model_len})")
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, *,
                priority: int = 0, tenant: str = "") -> "RequestHandle":
@@ -214,14 +330,20 @@ class LLMEngine:
                     self._pending_adds -= 1
                     try:
                         self.scheduler.add(a)
-                    except (QueueFull, ValueError) as exc:
+                    except Exception as exc:  # QueueFull, ValueError: that request alone fails
                         self._finish_stream(a, FinishReason.ERROR, error=str(exc))
+                        continue
+                a.revision = self.revision
+                self.metrics.request_started(a.revision)
             elif kind == "abort":
                 seq = self.scheduler.finish(a, b)
                 if seq is not None:
                     self._retire(seq)
                 elif a in self._streams:
                     self._streams.pop(a).put(TokenEvent(None, b))
+            elif kind == "cut":
+                for seq_id in list(self._streams):
+                    self._fail(seq_id, a, SHUTDOWN)
             elif kind == "call":
                 if b.set_running_or_notify_cancel():
                     try:
@@ -243,9 +365,7 @@ class LLMEngine:
             except Exception:  # a failed step must not kill the loop: fail its requests instead
                 log.exception("engine step failed; failing the requests of this step")
                 for seq in [*(s for s, _ in batch.prefills), *batch.decodes]:
-                    finished = self.scheduler.finish(seq.seq_id, FinishReason.ERROR)
-                    if finished is not None:
-                        self._retire(finished, error="internal error while running the model")
+                    self._fail(seq.seq_id, "internal error while running the model")
         self._drain_inbox()
         for seq_id in list(self._streams):
             seq = self.scheduler.finish(seq_id, FinishReason.ABORT)
@@ -260,49 +380,94 @@ class LLMEngine:
                 self.metrics.queue.labels(self.revision).observe(now - seq.arrival)
         if batch.preempted:
             self.metrics.preemptions.inc(len(batch.preempted))
-        tokens = self.runner.run(batch, self.slots)
+        slots, guard = self._guarded_slots()
+        guard.reset()
+        tokens = self.runner.run(batch, slots)  # raises only when the step as a whole failed
         self.steps += 1
+        rows = list(tokens)  # seq ids in the order of the sampler's rows
+        for row, message in guard.failures.items():
+            self._fail(rows[row], message)
         got, finished = self.scheduler.postprocess(batch, tokens, self.eos_ids)
         now = time.monotonic()
-        rev = self.revision
+        logprobs = {rows[row]: lp for row, lp in guard.logprobs.items()}
         for seq in got:
-            stream = self._streams.get(seq.seq_id)
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-                self.metrics.ttft.labels(rev).observe(now - seq.arrival)
-            else:
-                self.metrics.itl.labels(rev).observe(now - seq.last_token_at)
-            seq.last_token_at = now
-            if stream is not None and not seq.is_finished:
-                stream.put(TokenEvent(seq.output_token_ids[-1]))
+            try:
+                self._deliver(seq, logprobs.get(seq.seq_id), now)
+            except Exception:
+                log.exception("delivering a token of request %d failed", seq.seq_id)
+                self._fail(seq.seq_id, "internal error while delivering a token")
         for seq in finished:
             self._retire(seq)
         self._update_gauges()
 
+    def _guarded_slots(self) -> tuple[SlotTable, GuardedSampler]:
+        """The current slot table with its sampler guarded; rebuilt only when the table changes."""
+        if self._guard is None or self._guard[0] is not self.slots:
+            guard = GuardedSampler(self.slots["sampler"], self.model_config.vocab_size)
+            self._guard = (self.slots, self.slots.replace(sampler=guard), guard)
+        return self._guard[1], self._guard[2]
+
+    def _deliver(self, seq: Sequence, logprobs: TokenLogprobs | None, now: float) -> None:
+        if seq.params.logprobs is not None:
+            if logprobs is None:
+                raise RuntimeError("a token that asked for logprobs got none")
+            seq.output_logprobs.append(logprobs)
+        rev = self.revision
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.metrics.ttft.labels(rev).observe(now - seq.arrival)
+        else:
+            self.metrics.itl.labels(rev).observe(now - seq.last_token_at)
+        seq.last_token_at = now
+        stream = self._streams.get(seq.seq_id)
+        if stream is not None and not seq.is_finished:
+            stream.put(TokenEvent(seq.output_token_ids[-1], logprobs=logprobs))
+
+    def _fail(self, seq_id: int, error: str, code: str = INTERNAL) -> None:
+        """End one live request with an error; the rest of its batch is untouched."""
+        seq = self.scheduler.finish(seq_id, FinishReason.ERROR)
+        if seq is not None:
+            self._retire(seq, error, code)
+
     def _finish_stream(self, seq: Sequence, reason: FinishReason, error: str | None = None,
-                       delay: float = 0.0) -> None:
+                       code: str | None = None, delay: float = 0.0) -> None:
         stream = self._streams.pop(seq.seq_id, None)
         if stream is not None:
-            last = None
+            last, logprobs = None, None
             if reason in (FinishReason.STOP, FinishReason.LENGTH) and seq.output_token_ids:
                 last = seq.output_token_ids[-1]
-            stream.put(TokenEvent(last, reason, error), delay)
+                if seq.output_logprobs:
+                    logprobs = seq.output_logprobs[-1]
+            if error is not None and code is None:
+                code = INTERNAL
+            stream.put(TokenEvent(last, reason, error, code, logprobs), delay)
 
-    def _retire(self, seq: Sequence, error: str | None = None) -> None:
+    def _outcome(self, seq: Sequence) -> tuple[float, str | None]:
+        """The `request.outcome` slot's verdict: (delay, error or None); a slot that raises fails only this request."""
+        try:
+            delay, failed = self.slots["request.outcome"](seq)
+        except Exception:
+            log.exception("request.outcome failed for request %d", seq.seq_id)
+            return 0.0, "internal error while finishing the request"
+        return delay, "injected fault" if failed else None
+
+    def _retire(self, seq: Sequence, error: str | None = None, code: str | None = None) -> None:
         reason = seq.finish_reason or FinishReason.ABORT
         delay = 0.0
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            delay, failed = self.slots["request.outcome"](seq)
-            if failed:
-                reason, error = FinishReason.ERROR, "injected fault"
+            delay, error = self._outcome(seq)
+            if error is not None:
+                reason = FinishReason.ERROR
         self.runner.release(seq)
-        self._finish_stream(seq, reason, error, delay)
+        self._finish_stream(seq, reason, error, code, delay)
         rev = self.revision
         status = "error" if reason is FinishReason.ERROR else "ok"
         self.metrics.requests.labels(rev, status).inc()
         self.metrics.duration.labels(rev).observe(time.monotonic() - seq.arrival + delay)
         self.metrics.prompt_tokens.labels(rev).inc(seq.num_prompt_tokens)
         self.metrics.generation_tokens.labels(rev).inc(len(seq.output_token_ids))
+        if seq.revision is not None:
+            self.metrics.request_ended(seq.revision)
 
     def _update_gauges(self) -> None:
         m = self.metrics

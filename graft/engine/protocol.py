@@ -1,49 +1,124 @@
-"""OpenAI request and response shapes (the subset Graft serves), with their validation."""
+"""OpenAI request and response shapes (the subset Graft serves), with their validation.
+
+Validation happens here, at the edge, so nothing that reaches the step loop can fail there. Types
+are strict (JSON `"yes"` is not a boolean, `true` is not a token id, `1.5` is not an integer) and
+every number the engine turns into a tensor or a seed is bounded. Fields of the OpenAI API that
+Graft does not implement are declared so that a request using them is refused with a 400 naming
+the field instead of being answered as if they had been honoured; their neutral values (null,
+false, empty) are accepted because clients send them by default.
+"""
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      ValidationInfo, field_validator)
 
-from graft.engine.sequence import SamplingParams
+from graft.engine.sequence import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+
+MAX_STOP_SEQUENCES = 4
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
+
+def _utf8(value: str) -> str:
+    """JSON may escape a lone UTF-16 surrogate (`"\\ud800"`); such a string has no UTF-8 form."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (it contains a lone surrogate)") from None
+    return value
+
+
+Text = Annotated[StrictStr, AfterValidator(_utf8)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+def _unsupported(*neutral: Any) -> AfterValidator:
+    """Accept only null or a neutral value for a field Graft does not implement."""
+    def check(value: Any) -> Any:
+        if value is not None and not any(value == n and type(value) is type(n) for n in neutral):
+            raise ValueError("not supported by this server (omit it or send null)")
+        return value
+    return AfterValidator(check)
+
+
+def _unsupported_field(*neutral: Any) -> Any:
+    allowed = ", ".join(["null", *(repr(n).lower() if isinstance(n, bool) else repr(n) for n in neutral)])
+    return Field(default=None, description=f"Not supported: only {allowed} is accepted.")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: StrictBool = False
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    model: Text
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    n: int = Field(default=1, ge=1, le=1)
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None
-    priority: int = 0
-    ignore_eos: bool = False
+    top_k: StrictInt = Field(default=0, ge=0, description="0 means off; at most the vocabulary size.")
+    n: StrictInt = Field(default=1, ge=1, le=1)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: Text | list[Text] | None = None
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    user: Text | None = None
+    priority: StrictInt = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    ignore_eos: StrictBool = False
+    # OpenAI fields Graft does not implement
+    logit_bias: Annotated[Any, _unsupported({})] = _unsupported_field({})
+    response_format: Annotated[Any, _unsupported({"type": "text"})] = _unsupported_field({"type": "text"})
+    tools: Annotated[Any, _unsupported([])] = _unsupported_field([])
+    tool_choice: Annotated[Any, _unsupported("none")] = _unsupported_field("none")
+    functions: Annotated[Any, _unsupported([])] = _unsupported_field([])
+    function_call: Annotated[Any, _unsupported("none")] = _unsupported_field("none")
+    presence_penalty: Annotated[Any, _unsupported(0, 0.0)] = _unsupported_field(0)
+    frequency_penalty: Annotated[Any, _unsupported(0, 0.0)] = _unsupported_field(0)
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> list[str]:
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many alternatives to report per token; None: no logprobs at all."""
+        return None
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens,
                               temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=self.seed, stop=list(self.stop or []), ignore_eos=self.ignore_eos)
+                              seed=self.seed, stop=list(self.stop or []), ignore_eos=self.ignore_eos,
+                              logprobs=self.num_logprobs)
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str]
+    prompt: Text | list[TokenId] | list[Text]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: Annotated[Any, _unsupported(False)] = _unsupported_field(False)
+    suffix: Annotated[Any, _unsupported("")] = _unsupported_field("")
+    best_of: Annotated[Any, _unsupported(1)] = _unsupported_field(1)
 
     @field_validator("prompt")
     @classmethod
@@ -54,26 +129,49 @@ class CompletionRequest(_Request):
             return v[0]
         return v
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Text
+    text: Text | None = None
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[ContentPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             parts = []
             for part in self.content:
-                if part.get("type") != "text":
-                    raise ValueError(f"unsupported content part type {part.get('type')!r}: only text")
-                parts.append(str(part.get("text", "")))
+                if part.type != "text":
+                    raise ValueError(f"unsupported content part type {part.type!r}: only text")
+                parts.append(part.text or "")
             return "".join(parts)
         return self.content or ""
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs set to true")
+        return v
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         params = super().sampling_params(default_max_tokens)

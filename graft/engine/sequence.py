@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -11,6 +12,19 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1    # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20                           # alternatives reported per token, as OpenAI allows
+GREEDY_TEMPERATURE = 1e-5                   # below it logits / temperature overflows float32: greedy
+
+
+class InvalidParam(ValueError):
+    """A request setting out of range; `param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param} {message}")
+        self.param = param
 
 
 class FinishReason(str, enum.Enum):
@@ -30,20 +44,38 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None         # None: none; k: the sampled token's and the k most likely
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidParam for any setting the sampler could not honour (NaN, overflow, a bad seed)."""
         if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+            raise InvalidParam("max_tokens", "must be at least 1")
+        if not 0 <= self.temperature < math.inf:
+            raise InvalidParam("temperature", "must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+            raise InvalidParam("top_p", "must be in (0, 1]")
         if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+            raise InvalidParam("top_k", "must be >= 0")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidParam("seed", f"must be in [{SEED_MIN}, {SEED_MAX}]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidParam("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The log-probability of one sampled token under the model, and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 _ids = itertools.count()
@@ -61,6 +93,8 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # only when params.logprobs is set
+    revision: str | None = None         # the engine revision it was admitted under
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0          # prompt tokens found in the prefix cache

@@ -77,7 +77,8 @@ def test_short_request_is_not_stalled_by_a_long_prefill(engine):
     def stream(name: str, prompt: str, delay: float) -> None:
         time.sleep(delay)
         t0 = time.monotonic()
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
         with httpx.stream("POST", engine.url + "/v1/completions", json=body, timeout=300) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and '"text"' in line:

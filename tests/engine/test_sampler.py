@@ -1,0 +1,73 @@
+"""The samplers: no accepted setting yields a NaN or a token outside the vocabulary."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graft.engine.sampler import sample_batched, sample_per_row
+from graft.engine.sequence import InvalidParam, SamplingParams
+
+SAMPLERS = [sample_per_row, sample_batched]
+VOCAB = 64
+
+
+def peaked_logits(rows: int = 1, top: int = 7) -> torch.Tensor:
+    """Logits of a confident model: token `top` far ahead, the rest spread out."""
+    logits = torch.linspace(-5, 5, VOCAB).repeat(rows, 1)
+    logits[:, top] = 30.0
+    return logits
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("settings", [
+    {"temperature": 1e-40}, {"temperature": 1e-30}, {"temperature": 1e-6}, {"temperature": 2e-5},
+    {"top_p": 1e-40}, {"top_p": 1e-46}, {"top_p": 5e-324},
+    {"temperature": 1e-40, "top_p": 1e-40, "top_k": 3},
+])
+def test_tiny_temperature_or_top_p_picks_the_most_likely_token(sampler, settings):
+    params = SamplingParams(**settings, seed=1)
+    gen = torch.Generator().manual_seed(1)
+    assert sampler(peaked_logits(), [params], [gen]) == [7]
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_top_k_beyond_the_vocabulary_means_no_cut(sampler):
+    logits = torch.zeros(1, VOCAB)  # uniform: every token possible
+    params = SamplingParams(top_k=10**30, temperature=1.0)
+    seen = {tok for _ in range(200) for tok in sampler(logits, [params], [None])}
+    assert len(seen) > VOCAB // 2 and all(0 <= t < VOCAB for t in seen)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_huge_logits_stay_finite_at_the_smallest_sampled_temperature(sampler):
+    logits = peaked_logits()
+    logits[0, 3] = 3e4
+    params = SamplingParams(temperature=1e-5)  # just above greedy: logits / t would be 3e9
+    assert sampler(logits, [params], [None]) == [3]
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_a_batch_mixing_extreme_settings_samples_every_row(sampler):
+    params = [SamplingParams(temperature=1e-40), SamplingParams(top_p=1e-45, temperature=2.0),
+              SamplingParams(top_k=10**6), SamplingParams(temperature=0.0), SamplingParams(seed=2**63 - 1)]
+    gens = [None, None, None, None, torch.Generator().manual_seed(2**63 - 1)]
+    tokens = sampler(peaked_logits(len(params)), params, gens)
+    assert tokens[:2] == [7, 7] and tokens[3] == 7
+    assert all(0 <= t < VOCAB for t in tokens)
+
+
+@pytest.mark.parametrize("settings, param", [
+    ({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"), ({"top_p": float("nan")}, "top_p"), ({"top_p": 0.0}, "top_p"),
+    ({"top_k": -1}, "top_k"), ({"logprobs": 21}, "logprobs"), ({"max_tokens": 0}, "max_tokens"),
+])
+def test_sampling_params_refuse_what_the_sampler_cannot_honour(settings, param):
+    with pytest.raises(InvalidParam) as err:
+        SamplingParams(**settings)
+    assert err.value.param == param
+
+
+def test_the_extreme_seeds_are_accepted_by_torch():
+    for seed in (-(2**63), 2**63 - 1, 0):
+        SamplingParams(seed=seed)
+        torch.Generator().manual_seed(seed)
