@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("dev-cluster", help="a local stand-in cluster: API server, engine pods, Prometheus")
     c.add_argument("--dir", default=".graft-dev")
     c.add_argument("--pods", type=int, default=3)
+    c.add_argument("--traffic", type=float, default=0.0, metavar="RPS",
+                   help="send BBH prompts through the cluster's router at this rate (default: none)")
     c.set_defaults(func=cmd_dev_cluster)
     return parser
 

@@ -160,6 +160,8 @@ class DevCluster:
         env = {**os.environ, "GRAFT_KUBE_SERVER": self.api_server.url,
                "GRAFT_ADMIN_TOKEN_SECRET": f"{self.namespace}/{TOKEN_SECRET}",
                "GRAFT_TICK_SECONDS": str(self.opts.operator_tick), "GRAFT_NAMESPACES": self.namespace}
+        if self.prometheus is not None:     # rollouts that name no Prometheus use the dev cluster's
+            env["GRAFT_PROMETHEUS_ADDRESS"] = self.prometheus.url
         out = open(self.workdir / "operator.log", "ab")
         self.operator_proc = subprocess.Popen([sys.executable, "-m", "graft.cli", "operator"],
                                               stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -249,24 +251,62 @@ def object_path(obj: dict[str, Any]) -> str:
     return f"{base}/namespaces/{meta.get('namespace', 'default')}/{plural}/{meta.get('name', '')}"
 
 
+def route_logs(workdir: Path) -> None:
+    """Send the dev cluster's logs to files in its folder, so the terminal keeps only warnings.
+
+    The API server's access log (a line per API call: the operator and the pod runner make
+    several a second) goes to ``apiserver.log``, everything else logged in this process to
+    ``devcluster.log``; pods and the operator already write their own logs there.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    access = logging.getLogger("aiohttp.access")
+    access.handlers[:] = [logging.FileHandler(workdir / "apiserver.log")]
+    access.propagate = False
+    root = logging.getLogger()
+    for handler in root.handlers:
+        if type(handler) is logging.StreamHandler and handler.stream in (sys.stderr, sys.stdout):
+            handler.setLevel(max(handler.level, logging.WARNING))
+    everything = logging.FileHandler(workdir / "devcluster.log")
+    everything.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(everything)
+    if root.level == logging.NOTSET or root.level > logging.INFO:
+        root.setLevel(logging.INFO)
+
+
+def traffic_prompts(count: int = 64) -> list[str]:
+    """BBH chain-of-thought prompts for client traffic (data from GRAFT_DATA_DIR or ../shared/data)."""
+    from graft.bench.data import mixed_bbh_prompts
+    return [prompt.text for prompt in mixed_bbh_prompts(count)]
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run the dev cluster in the foreground until Ctrl-C."""
+    """Run the dev cluster in the foreground until Ctrl-C; ``--traffic RPS`` adds steady client traffic."""
     opts = ClusterOptions(workdir=Path(args.dir), pods=args.pods)
+    rate = float(getattr(args, "traffic", 0) or 0)
+    prompts = traffic_prompts() if rate > 0 else []  # missing data fails here, before anything starts
+    route_logs(opts.workdir)
 
     async def run() -> None:
-        async with DevCluster(opts) as cluster:
+        async with DevCluster(opts) as cluster, contextlib.AsyncExitStack() as stack:
             await cluster.wait_ready()
+            traffic = await stack.enter_async_context(cluster.traffic(prompts, rate=rate, max_tokens=16)) \
+                if rate > 0 else None
             kc = cluster.kubeconfig.resolve()
             print(f"dev cluster up: {opts.pods} engine pods in namespace {opts.namespace}\n"
                   f"  kubectl --kubeconfig {kc} get pods,patchrollouts -n {opts.namespace}\n"
-                  f"  kubectl --kubeconfig {kc} apply --validate=false -f examples/rollout-builtin.yaml\n"
+                  f"  kubectl --kubeconfig {kc} apply -f examples/rollout-builtin.yaml\n"
                   f"  Prometheus: {cluster.prometheus.url if cluster.prometheus else '-'}\n"
+                  f"  client traffic: {f'{rate:g} BBH prompts per second' if traffic else 'none (--traffic RPS)'}\n"
+                  f"  logs: {opts.workdir.resolve()}/ (apiserver.log, devcluster.log, operator.log, pods/)\n"
                   f"Ctrl-C stops everything.", flush=True)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
             await stop.wait()
+            if traffic is not None:
+                sent, failed = len(traffic.stats.outcomes), len(traffic.stats.failed())
+                print(f"client traffic: {sent} requests, {failed} failed", flush=True)
 
     asyncio.run(run())
     return 0
