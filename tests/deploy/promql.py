@@ -89,8 +89,11 @@ def grafana_to_promql(expr: str) -> str:
     return expr
 
 
-def promtool() -> str | None:
-    return shutil.which("promtool")
+def promtool() -> str:
+    """The promtool binary; a missing one fails the test (make test installs Debian's prometheus)."""
+    tool = shutil.which("promtool")
+    assert tool, "promtool is not installed: apt-get install prometheus (make test does)"
+    return tool
 
 
 def promtool_errors(exprs: dict[str, str], workdir: Path) -> str:
@@ -102,10 +105,26 @@ def promtool_errors(exprs: dict[str, str], workdir: Path) -> str:
 
 
 def check_rule_file(path: Path) -> str:
-    tool = promtool()
-    assert tool, "promtool is not installed"
-    done = subprocess.run([tool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     return "" if done.returncode == 0 else done.stdout + done.stderr
+
+
+def builtin_query_exprs() -> dict[str, str]:
+    """The PromQL of every built-in check the operator can run (each one graft.rollout.spec
+    knows), as graft.rollout.queries plans it for a rollout; quantiles both absolute and against
+    stable, so every query of every kind is there."""
+    from graft.rollout import queries, spec
+
+    ctx = queries.Context(namespace="llm", canary="kv-align@3.2.1", stable="base",
+                          patch_name="kv-align", patch_version="3.2.1")
+    exprs = {}
+    for name, builtin in spec.BUILTIN_METRICS.items():
+        ratio = 1.5 if builtin["kind"] == "quantile" else None
+        check = spec.Check(name=name, role="gate", metric=name, max=0.5, max_ratio=ratio)
+        for series in queries.plan(check, ctx, 60.0):
+            exprs[f"builtin {name} {series.key}"] = series.promql
+    assert exprs, "no built-in checks found"
+    return exprs
 
 
 def balanced(expr: str) -> bool:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import yaml
 
 from graft.rollout.queries import render as render_query
 from tests.deploy.manifests import CRDS, DEPLOY, EXAMPLES, load_file, pod_template
-from tests.deploy.promql import (DASHBOARD, KSM_CONFIG, RULE_FILE, balanced, check_rule_file, dashboard_exprs,
-                                 engine_metric_names, known_metric_names, metric_names, promtool,
-                                 promtool_errors, rule_groups)
+from tests.deploy.promql import (DASHBOARD, KSM_CONFIG, RULE_FILE, balanced, builtin_query_exprs, check_rule_file,
+                                 dashboard_exprs, engine_metric_names, known_metric_names, metric_names,
+                                 promtool, promtool_errors, rule_groups)
 
 SCRAPE_CONFIG = DEPLOY / "prometheus" / "scrape-config.yaml"
 
@@ -36,7 +37,8 @@ def example_query_exprs() -> dict[str, str]:
 def all_exprs() -> dict[str, str]:
     exprs = {**{f"dashboard {k}": v for k, v in dashboard_exprs().items()},
              **{f"rule {k}": v for k, v in rule_exprs().items()},
-             **{f"example {k}": v for k, v in example_query_exprs().items()}}
+             **{f"example {k}": v for k, v in example_query_exprs().items()},
+             **builtin_query_exprs()}
     assert len(exprs) > 40
     return exprs
 
@@ -64,9 +66,22 @@ def test_every_shipped_query_selects_only_series_that_exist():
 def test_every_shipped_query_parses(tmp_path):
     exprs = all_exprs()
     assert all(balanced(e) for e in exprs.values()), [k for k, e in exprs.items() if not balanced(e)]
-    if promtool():
-        assert promtool_errors(exprs, tmp_path) == ""
-        assert promtool_errors({"broken": "sum(rate(graft_requests_total[5m])"}, tmp_path)
+    assert promtool_errors(exprs, tmp_path) == ""
+    assert promtool_errors({"broken": "sum(rate(graft_requests_total[5m])"}, tmp_path)
+
+
+def test_every_builtin_check_query_is_among_those_checked():
+    exprs = all_exprs()
+    builtin = builtin_query_exprs()
+    assert builtin.items() <= exprs.items()
+    # the operator's checks read engine series only, by namespace
+    assert all(metric_names(e) and 'namespace="llm"' in e for e in builtin.values())
+
+
+def test_a_missing_promtool_fails_the_tests_that_need_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(AssertionError, match="promtool is not installed"):
+        promtool()
 
 
 def test_prometheus_rule_file_is_a_valid_rule_file(tmp_path):
@@ -78,10 +93,9 @@ def test_prometheus_rule_file_is_a_valid_rule_file(tmp_path):
             if "alert" in r:
                 assert r["labels"]["severity"] in ("critical", "warning", "info")
                 assert r["annotations"]["summary"] and r["annotations"]["description"]
-    if promtool():
-        path = tmp_path / "rules.yaml"
-        path.write_text(yaml.safe_dump(rule["spec"]))
-        assert check_rule_file(path) == ""
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump(rule["spec"]))
+    assert check_rule_file(path) == ""
 
 
 def test_alerts_cover_the_service_levels_patches_and_rollouts():
