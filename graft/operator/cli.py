@@ -1,4 +1,5 @@
-"""`graft rollout status [-w] | pause | resume | promote [--full] | abort NAME`, also `kubectl graft ...`.
+"""`graft rollout status [-w] | pause | resume | promote [--full] | abort NAME | simulate -f FILE`, also
+`kubectl graft ...`.
 
 Each verb changes one field of the PatchRollout and the operator does the rest: `pause`/`resume`
 set `spec.paused`, `promote` sets the annotation `graft.dev/promote` (`step` or `full`), `abort`
@@ -33,6 +34,10 @@ class CliError(Exception):
 
 def main_rollout(argv: Sequence[str] | None = None, console: Console | None = None) -> int:
     """Entry point of `graft rollout ...` and of the kubectl plug-in `kubectl-graft`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["simulate"]:        # needs no cluster
+        from graft.operator.simulate_cli import main as simulate_main
+        return simulate_main(argv[1:], console)
     args = _parser().parse_args(argv)
     console = console or Console()
     try:
@@ -61,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     promote.add_argument("--full", action="store_true", help="skip every remaining step and analysis")
     promote.set_defaults(run=_promote)
     verbs.add_parser("abort", parents=[common], help="roll back now").set_defaults(run=_abort)
+    verbs.add_parser("simulate", help="run the rollout's decisions against a simulated fleet "
+                                      "(graft rollout simulate -h)", add_help=False)
     return parser
 
 

@@ -1,69 +1,87 @@
-"""The Prometheus metrics provider: runs a rollout's check queries, off the event loop, with timeouts.
+"""The Prometheus metrics provider: runs each check's planned queries over HTTP, with timeouts.
 
-A query that cannot be answered (Prometheus unreachable, a bad query, a timeout, several series
-where one number is needed) becomes a Measurement with `error` set: the check's verdict is Error,
-which holds the rollout and never promotes it.
+Speaks the HTTP API (`/api/v1/query`) directly through httpx, so a rollout's Prometheus may sit
+behind auth (a bearer token from a Secret, extra headers) and TLS, which is verified (against the
+system's CAs, or a CA bundle from a Secret).
+
+A query that cannot be answered (Prometheus unreachable, refused, a bad query, a timeout, several
+series where one number is needed) makes its check's Measurement carry `error`: the check's verdict
+is Error, which holds the rollout (and counts towards `errorLimit`); it never promotes it.
 """
 from __future__ import annotations
 
 import asyncio
 import math
+import ssl
 
-from prometheus_api_client import PrometheusConnect
-from urllib3.util.retry import Retry
+import httpx
 
 from graft.rollout.observation import Measurement
-from graft.rollout.queries import MetricQuery
+from graft.rollout.queries import Series
 
 
 class ProviderError(Exception):
-    pass
+    """Prometheus could not give the number asked for; the message says why, for the status."""
 
 
 class PrometheusProvider:
-    def __init__(self, address: str, timeout: float = 5.0):
-        self.address, self.timeout = address, timeout
-        # no retries inside a query: the next analysis run is the retry, and a refusal shows at once
-        self._client = PrometheusConnect(url=address, disable_ssl=True, timeout=timeout, retry=Retry(total=0))
+    def __init__(self, address: str, timeout: float = 5.0, *, headers: dict[str, str] | None = None,
+                 ca_pem: str | None = None):
+        self.address, self.timeout = address.rstrip("/"), timeout
+        verify: ssl.SSLContext | bool = True
+        if ca_pem:
+            verify = ssl.create_default_context(cadata=ca_pem)
+        self._client = httpx.AsyncClient(base_url=self.address, headers=headers or {}, verify=verify,
+                                         timeout=httpx.Timeout(timeout + 1.0))
 
-    def _query_sync(self, promql: str) -> float | None:
-        try:
-            result = self._client.custom_query(promql, params={"timeout": f"{self.timeout:g}s"})
-        except Exception as e:   # the client raises requests', urllib3's and its own errors
-            raise ProviderError(f"{type(e).__name__}: {e}") from None
-        if isinstance(result, list):
-            if not result:
-                return None
-            if len(result) > 1:
-                raise ProviderError(f"the query returned {len(result)} series; a check needs one number")
-            raw = result[0]["value"][1]
-        else:   # scalar: [time, "value"]
-            raw = result[1]
-        value = float(raw)
-        return None if math.isnan(value) else value
+    async def aclose(self) -> None:
+        await self._client.aclose()
 
     async def query(self, promql: str) -> float | None:
         """One number, or None when the query has no data."""
         try:
-            return await asyncio.wait_for(asyncio.to_thread(self._query_sync, promql), self.timeout + 1)
-        except TimeoutError:
+            r = await self._client.get("/api/v1/query", params={"query": promql, "timeout": f"{self.timeout:g}s"})
+        except httpx.TimeoutException:
             raise ProviderError(f"Prometheus at {self.address} did not answer within {self.timeout:g}s") from None
-
-    async def measure(self, queries: list[MetricQuery]) -> list[Measurement]:
-        return list(await asyncio.gather(*(self._measure(q) for q in queries)))
-
-    async def _measure(self, q: MetricQuery) -> Measurement:
+        except httpx.HTTPError as e:
+            raise ProviderError(f"Prometheus at {self.address} is unreachable: {type(e).__name__}: {e}") from None
+        if r.status_code in (401, 403):
+            raise ProviderError(f"Prometheus at {self.address} refused the credentials (HTTP {r.status_code})")
         try:
-            value, requests, stable = await asyncio.gather(
-                self.query(q.value),
-                self.query(q.requests) if q.requests else _none(),
-                self.query(q.stable_requests) if q.stable_requests else _none())
+            body = r.json()
+        except ValueError:
+            raise ProviderError(f"Prometheus at {self.address} answered HTTP {r.status_code} without JSON") from None
+        if body.get("status") != "success":
+            raise ProviderError(f"Prometheus refused the query ({body.get('errorType', r.status_code)}: "
+                                f"{body.get('error', 'no reason given')})")
+        return _number(body.get("data") or {})
+
+    async def measure(self, plan: list[tuple[object, list[Series]]]) -> list[Measurement]:
+        """A Measurement per check of `plan` (graft.rollout.analysis.plan_run)."""
+        return list(await asyncio.gather(*(self._measure(check.key, series) for check, series in plan)))
+
+    async def _measure(self, key: str, series: list[Series]) -> Measurement:
+        try:
+            values = await asyncio.gather(*(self.query(s.promql) for s in series))
         except ProviderError as e:
-            return Measurement(q.name, error=str(e))
-        return Measurement(q.name, value,
-                           None if q.requests is None else (requests or 0.0),
-                           None if q.stable_requests is None else (stable or 0.0))
+            return Measurement(key, error=str(e))
+        return Measurement(key, {s.key: v for s, v in zip(series, values)})
 
 
-async def _none() -> None:
-    return None
+def _number(data: dict) -> float | None:
+    kind, result = data.get("resultType"), data.get("result")
+    if kind == "scalar":
+        raw = result[1]
+    elif kind == "vector":
+        if not result:
+            return None
+        if len(result) > 1:
+            raise ProviderError(f"the query returned {len(result)} series; a check needs one number")
+        raw = result[0]["value"][1]
+    else:
+        raise ProviderError(f"the query returned a {kind}; a check needs an instant vector or a scalar")
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ProviderError(f"the query returned {raw!r}, not a number") from None
+    return None if math.isnan(value) else value

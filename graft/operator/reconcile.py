@@ -18,13 +18,13 @@ from graft.operator.bundles import BundleError, load_source
 from graft.operator.kube import rollout_path
 from graft.operator.routers import RouteError, Router, router_for
 from graft.operator.runtime import Runtime, TokenError
-from graft.rollout.decision import (Action, ClearPromote, Event, LabelPod, PatchPod, SetWeight,
-                                    UnpatchPod)
+from graft.rollout.analysis import plan_run
+from graft.rollout.decision import (Action, ClearPromote, Event, LabelPod, PatchPod, PauseRollout,
+                                    SetWeight, UnpatchPod)
 from graft.rollout.machine import analysis_due, decide, known_revision
 from graft.rollout.observation import (UNREACHABLE, Controls, Measurement, Observation, PodError,
                                        PodObservation, Problem)
-from graft.rollout.queries import build_queries
-from graft.rollout.spec import RolloutSpec, SpecError, parse_spec
+from graft.rollout.spec import RolloutSpec, SpecError, parse_spec, template_refs
 from graft.rollout.status import FAILED, FINAL, PAUSED, PROGRESSING, ROLLING_BACK, RolloutStatus, from_time
 
 PROMOTE_ANNOTATION = "graft.dev/promote"
@@ -43,7 +43,8 @@ async def reconcile(rt: Runtime, body: dict[str, Any], now: float, *, abort: boo
     """Reconcile the rollout `body` (as just read from the API server) at time `now`."""
     stored = RolloutStatus.from_dict(body.get("status"))
     try:
-        spec = parse_spec(body.get("spec") or {})
+        templates = await load_templates(rt, body)
+        spec = parse_spec(body.get("spec") or {}, templates)
     except SpecError as e:
         return await _write(rt, body, stored, _invalid(stored, e, body))
     if stored.phase == FAILED and stored.reason == "InvalidSpec":
@@ -52,6 +53,22 @@ async def reconcile(rt: Runtime, body: dict[str, Any], now: float, *, abort: boo
         return Result(stored)
     status, events = await _Tick(rt, spec, body, now, abort).run(stored)
     return await _write(rt, body, stored, Result(status, events))
+
+
+TEMPLATE_GROUP = "/apis/graft.dev/v1alpha1"
+
+
+async def load_templates(rt: Runtime, body: dict[str, Any]) -> dict[tuple[str, bool], dict[str, Any]]:
+    """The specs of the analysis templates the rollout names (those that exist)."""
+    namespace = body["metadata"]["namespace"]
+    out = {}
+    for name, cluster in template_refs(body.get("spec") or {}):
+        path = (f"{TEMPLATE_GROUP}/clusterpatchanalysistemplates/{name}" if cluster
+                else f"{TEMPLATE_GROUP}/namespaces/{namespace}/patchanalysistemplates/{name}")
+        found = await rt.kube.get(path)
+        if found is not None:
+            out[(name, cluster)] = found.get("spec") or {}
+    return out
 
 
 def _invalid(stored: RolloutStatus, error: SpecError, body: dict[str, Any]) -> Result:
@@ -104,10 +121,12 @@ class _Tick:
 
     # observing
     async def measure(self, status: RolloutStatus) -> list[Measurement]:
-        queries = build_queries(self.spec.analysis.metrics, namespace=self.namespace,
-                                canary=status.canary_revision, stable=status.stable_revision,
-                                patch_name=self.spec.patch.name, patch_version=self.spec.patch.version)
-        return await self.rt.provider(self.spec.analysis.prometheus).measure(queries)
+        plan = plan_run(self.spec, status, self.namespace, self.now)
+        try:
+            provider = await self.rt.provider(self.spec.analysis.prometheus, self.namespace)
+        except TokenError as e:
+            return [Measurement(check.key, error=e.problem.message) for check, _ in plan]
+        return await provider.measure(plan)
 
     async def observe(self, status: RolloutStatus, measurements: list[Measurement] | None) -> Observation:
         problem = self.problem
@@ -167,6 +186,8 @@ class _Tick:
                     await self.router.set_weight(weight)
                 except RouteError as e:
                     self.problem = self.problem or Problem(e.reason, e.message)
+            case PauseRollout():
+                await self.rt.kube.merge_patch(rollout_path(self.namespace, self.name), {"spec": {"paused": True}})
             case ClearPromote():
                 self.promote_done = True
                 await self.rt.kube.merge_patch(rollout_path(self.namespace, self.name),

@@ -14,12 +14,17 @@ from graft.operator.kube import Kube, secret_path, secret_value
 from graft.operator.prometheus import PrometheusProvider
 from graft.operator.settings import OperatorSettings
 from graft.rollout.observation import Problem
+from graft.rollout.spec import PrometheusSource
 
 
 class TokenError(Exception):
     def __init__(self, problem: Problem):
         super().__init__(problem.message)
         self.problem = problem
+
+
+class SecretError(TokenError):
+    """A Secret a rollout names (Prometheus credentials) is missing or lacks its key."""
 
 
 class Runtime:
@@ -31,7 +36,7 @@ class Runtime:
                                   timeout=settings.admin_timeout, concurrency=settings.admin_concurrency,
                                   retries=settings.admin_retries)
         self._token_read_at = float("-inf")
-        self._providers: dict[str, PrometheusProvider] = {}
+        self._providers: dict[tuple, PrometheusProvider] = {}
 
     # Kubernetes login, chosen by settings
     async def login(self, logger: Any = None, **kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -66,13 +71,36 @@ class Runtime:
             self._admin.token, self._token_read_at = token.strip(), time.monotonic()
         return self._admin
 
-    def provider(self, address: str) -> PrometheusProvider:
-        if address not in self._providers:
-            self._providers[address] = PrometheusProvider(address, self.settings.prometheus_timeout)
-        return self._providers[address]
+    async def provider(self, source: PrometheusSource, namespace: str) -> PrometheusProvider:
+        """The provider for a rollout's Prometheus: its address (or the operator's default), with the
+        bearer token and CA bundle read from Secrets in the rollout's namespace."""
+        headers = dict(source.headers)
+        ca = None
+        if source.bearer_token_secret is not None:
+            token = await self._secret_key(namespace, *source.bearer_token_secret, "bearerTokenSecret")
+            headers["Authorization"] = f"Bearer {token.strip()}"
+        if source.ca_secret is not None:
+            ca = await self._secret_key(namespace, *source.ca_secret, "caSecret")
+        address = source.address or self.settings.prometheus_address
+        key = (address, tuple(sorted(headers.items())), ca)
+        if key not in self._providers:
+            self._providers[key] = PrometheusProvider(address, self.settings.prometheus_timeout,
+                                                      headers=headers, ca_pem=ca)
+        return self._providers[key]
+
+    async def _secret_key(self, namespace: str, name: str, key: str, field: str) -> str:
+        secret = await self.kube.get(secret_path(namespace, name))
+        value = secret_value(secret, key) if secret is not None else None
+        if not value:
+            raise SecretError(Problem("PrometheusSecretMissing",
+                                      f"spec.analysis.prometheus.{field}: Secret {namespace}/{name} "
+                                      + ("not found" if secret is None else f"has no key {key!r}")))
+        return value
 
     async def close(self) -> None:
         await self._admin.aclose()
+        for provider in self._providers.values():
+            await provider.aclose()
         if self.kube is not None:
             await self.kube.aclose()
 

@@ -33,6 +33,8 @@ class OperatorSettings:
     admin_concurrency: int = 16            # admin API calls in flight at once
     admin_retries: int = 2                 # retries of a call that did not reach the engine
     prometheus_timeout: float = 5.0
+    prometheus_address: str = "http://prometheus.monitoring:9090"   # for rollouts that name none
+    metrics_port: int | None = None        # the operator's own /metrics; None: not served
     peering: str | None = None             # kopf peering name; None: standalone (one replica)
 
     def __post_init__(self) -> None:
@@ -70,5 +72,7 @@ class OperatorSettings:
             admin_concurrency=int(number("GRAFT_ADMIN_CONCURRENCY", 16)),
             admin_retries=int(number("GRAFT_ADMIN_RETRIES", 2)),
             prometheus_timeout=number("GRAFT_PROMETHEUS_TIMEOUT", 5.0),
+            prometheus_address=env.get("GRAFT_PROMETHEUS_ADDRESS") or "http://prometheus.monitoring:9090",
+            metrics_port=int(number("GRAFT_METRICS_PORT", 0)) or None,
             peering=env.get("GRAFT_PEERING") or None,
         )

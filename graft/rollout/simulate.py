@@ -40,17 +40,14 @@ from graft.rollout.spec import RolloutSpec
 from graft.rollout.status import FINAL, PAUSED, PROMOTED, RolloutStatus
 
 
-def _geometric(start: float, factor: float, stop: float) -> tuple[float, ...]:
-    out, v = [], start
-    while v <= stop * (1 + 1e-9):
-        out.append(float(f"{v:.4g}"))
-        v *= factor
-    return tuple(out)
+def _geometric(start: float, stop: float, factor: float) -> tuple[float, ...]:
+    n = round(math.log(stop / start) / math.log(factor))
+    return tuple(float(f"{start * factor ** i:.4g}") for i in range(n + 1))
 
 
 # the engine's histogram buckets (graft.engine.metrics; a test keeps the two equal)
-TOKEN_BUCKETS = _geometric(0.001, 1.2, 5.0)
-LATENCY_BUCKETS = _geometric(0.005, 1.25, 120.0)
+TOKEN_BUCKETS = _geometric(0.001, 5.0, 1.2)
+LATENCY_BUCKETS = _geometric(0.005, 120.0, 1.25)
 MAX_ROUNDS = 5          # decide/act rounds per tick, as the operator
 
 

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graft.rollout.decision import ClearPromote, Decision, LabelPod, PatchPod, SetWeight, UnpatchPod
+import dataclasses
+
+from graft.rollout.decision import (ClearPromote, Decision, LabelPod, PatchPod, PauseRollout, SetWeight,
+                                    UnpatchPod)
 from graft.rollout.machine import decide, known_revision
 from graft.rollout.observation import Controls, Measurement, Observation, PodError, PodObservation, Problem
 from graft.rollout.revision import has_patch, with_patch, without_patch
@@ -60,6 +63,7 @@ class Fleet:
     deletes: dict[str, int] = field(default_factory=dict)
     events: list = field(default_factory=list)
     created_at: float = 0.0
+    generation: int = 1
 
     @classmethod
     def of(cls, spec: RolloutSpec, n: int, gateway: bool = False) -> "Fleet":
@@ -103,7 +107,7 @@ class Fleet:
                     obs.revision = None         # the answer never came: state unknown
             pods.append(obs)
         return Observation(pods, measurements, self.route_weight, Controls(self.promote, self.abort),
-                           self.problem, self.created_at)
+                           self.problem, self.created_at, self.generation)
 
     def execute(self, d: Decision, answered: dict[str, str]) -> dict[str, PodError]:
         errors = {}
@@ -130,6 +134,9 @@ class Fleet:
                 self.route_weight = a.weight
             elif isinstance(a, ClearPromote):
                 self.promote = None
+            elif isinstance(a, PauseRollout):
+                self.spec = dataclasses.replace(self.spec, paused=True)
+                self.generation += 1
         return errors
 
     def tick(self, status: RolloutStatus, now: float,
@@ -150,24 +157,51 @@ class Fleet:
         return [e.reason for e in self.events]
 
 
-def healthy(spec: RolloutSpec, requests: float = 1000) -> list[Measurement]:
-    """A measurement for every check, each right at the middle of its threshold."""
-    out = []
-    for c in spec.analysis.metrics:
-        if c.max is not None and c.min is not None:
-            value = (c.max + c.min) / 2
-        elif c.max is not None:
-            value = c.max / 2
-        else:
-            value = c.min + (1 - c.min) / 2
-        out.append(Measurement(c.name, value, requests, requests if c.comparison else None))
-    return out
+def _passing(check, requests: float) -> dict[str, float]:
+    """Numbers that pass `check` comfortably, with `requests` behind every count."""
+    n = float(requests)
+    match check.kind:
+        case "rate":
+            return {"canary_requests": n, "canary_matching": n if check.metric == "success-rate" else 0.0}
+        case "difference":
+            return {"canary_requests": n, "canary_errors": 0.0, "stable_requests": n, "stable_errors": 0.0}
+        case "quantile":
+            return {"canary_quantile": 0.05, "canary_samples": n * 10, "stable_quantile": 0.05, "stable_samples": n * 10}
+    if check.max is not None and check.min is not None:
+        value = (check.max + check.min) / 2
+    elif check.max is not None:
+        value = check.max / 2
+    else:
+        value = check.min + abs(check.min) + 1
+    return {"value": value, "canary_requests": n}
 
 
-def breaching(spec: RolloutSpec, name: str, requests: float = 1000) -> list[Measurement]:
+def _failing(check, requests: float) -> dict[str, float]:
+    """Numbers that fail `check` beyond doubt (conclusively, for a gate on counts)."""
+    n = float(requests)
+    values = _passing(check, requests)
+    match check.kind:
+        case "rate":
+            values["canary_matching"] = n / 2
+        case "difference":
+            values["canary_errors"] = n / 2
+        case "quantile":
+            values["canary_quantile"] = 50.0
+        case _:
+            values["value"] = check.max * 10 + 1 if check.max is not None else check.min - abs(check.min) - 1
+    return values
+
+
+def healthy(spec: RolloutSpec, requests: float = 100_000) -> list[Measurement]:
+    """A measurement for every check that passes it with room to spare."""
+    return [Measurement(c.key, _passing(c, requests)) for c in spec.analysis.checks]
+
+
+def breaching(spec: RolloutSpec, name: str, requests: float = 100_000, role: str | None = None) -> list[Measurement]:
+    """Every check passing but the one called `name` (the breaker of that name, unless `role` says)."""
     out = healthy(spec, requests)
-    check = next(c for c in spec.analysis.metrics if c.name == name)
+    check = next(c for c in spec.analysis.checks if c.name == name and (role is None or c.role == role))
     for m in out:
-        if m.name == name:
-            m.value = check.max * 10 if check.max is not None else check.min / 2
+        if m.check == check.key:
+            m.values = _failing(check, requests)
     return out
