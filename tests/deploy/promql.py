@@ -141,3 +141,17 @@ def balanced(expr: str) -> bool:
             if not stack or stack.pop() != pairs[ch]:
                 return False
     return not stack
+
+
+def discovered_targets(pod: dict, namespace: str, name: str, ip: str, phase: str = "Running") -> list[dict]:
+    """What kubernetes_sd (role: pod) makes of a pod: one target per container port."""
+    def clean(key: str) -> str:
+        return re.sub(r"[^a-zA-Z0-9_]", "_", key)
+    meta = {"__meta_kubernetes_namespace": namespace, "__meta_kubernetes_pod_name": name,
+            "__meta_kubernetes_pod_phase": phase, "__metrics_path__": "/metrics"}
+    meta |= {f"__meta_kubernetes_pod_label_{clean(k)}": v for k, v in pod["metadata"].get("labels", {}).items()}
+    meta |= {f"__meta_kubernetes_pod_annotation_{clean(k)}": v
+             for k, v in pod["metadata"].get("annotations", {}).items()}
+    ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])]
+    return [meta | {"__address__": f"{ip}:{port}", "__meta_kubernetes_pod_container_port_number": str(port)}
+            for port in ports]

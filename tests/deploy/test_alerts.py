@@ -58,8 +58,8 @@ def test_a_wrong_expectation_fails_the_unit_tests(tmp_path):
     wrong.write_text(yaml.safe_dump({"rule_files": [RULES_NAME], "evaluation_interval": "30s", "tests": [{
         "interval": "1m",
         "input_series": [{"series": 'graft_kv_cache_usage_ratio{namespace="llm", pod="e-0"}', "values": "0.5x30"}],
-        "alert_rule_test": [{"eval_time": "20m", "alertname": "GraftKVCacheNearlyFull",
-                             "exp_alerts": [{"exp_labels": {"severity": "warning", "namespace": "llm", "pod": "e-0"}}]}],
+        "alert_rule_test": [{"eval_time": "20m", "alertname": "GraftKVCacheNearlyFull", "exp_alerts": [
+            {"exp_labels": {"severity": "warning", "namespace": "llm", "pod": "e-0"}}]}],
     }]}))
     done = run_unit_tests(tmp_path, [wrong])
     assert done.returncode != 0 and "GraftKVCacheNearlyFull" in done.stdout + done.stderr

@@ -276,7 +276,8 @@ def test_only_the_operator_may_reach_the_engine_admin_port(chart, values):
 
 def test_network_policy_is_only_left_out_when_asked(chart):
     assert not of_kind(render(chart, {}), "NetworkPolicy")
-    assert not of_kind(render(chart, merged(ENGINE, {"engine": {"networkPolicy": {"enabled": False}}})), "NetworkPolicy")
+    off = merged(ENGINE, {"engine": {"networkPolicy": {"enabled": False}}})
+    assert not of_kind(render(chart, off), "NetworkPolicy")
 
 
 # the engine fleet
@@ -382,7 +383,8 @@ def test_by_default_the_admin_token_is_a_secret_the_user_makes(chart):
     assert env_of(operator)["GRAFT_ADMIN_TOKEN_SECRET_KEY"]["value"] == "bearer"
     deployment = one(objs, "Deployment")
     (engine,) = containers(deployment)
-    assert mounted_file(deployment, engine, env_of(engine)["GRAFT_ADMIN_TOKEN_FILE"]["value"]) == ("fleet-token", "bearer")
+    token_file = env_of(engine)["GRAFT_ADMIN_TOKEN_FILE"]["value"]
+    assert mounted_file(deployment, engine, token_file) == ("fleet-token", "bearer")
 
 
 def test_a_generated_admin_token_is_made_once_and_kept(chart):

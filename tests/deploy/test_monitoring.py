@@ -11,8 +11,8 @@ import yaml
 from graft.rollout.queries import render as render_query
 from tests.deploy.manifests import CRDS, DEPLOY, EXAMPLES, load_file, pod_template
 from tests.deploy.promql import (DASHBOARD, KSM_CONFIG, RULE_FILE, balanced, builtin_query_exprs, check_rule_file,
-                                 dashboard_exprs, engine_metric_names, known_metric_names, metric_names,
-                                 promtool, promtool_errors, rule_groups)
+                                 dashboard_exprs, discovered_targets, engine_metric_names, known_metric_names,
+                                 metric_names, promtool, promtool_errors, rule_groups)
 
 SCRAPE_CONFIG = DEPLOY / "prometheus" / "scrape-config.yaml"
 
@@ -141,20 +141,6 @@ def relabel(labels: dict[str, str], configs: list[dict]) -> dict[str, str] | Non
                 labels.pop(c["target_label"], None)
     labels.setdefault("instance", labels["__address__"])
     return {k: v for k, v in labels.items() if not k.startswith("__meta_")}
-
-
-def discovered_targets(pod: dict, namespace: str, name: str, ip: str, phase: str = "Running") -> list[dict]:
-    """What kubernetes_sd (role: pod) makes of a pod: one target per container port."""
-    def clean(key: str) -> str:
-        return re.sub(r"[^a-zA-Z0-9_]", "_", key)
-    meta = {"__meta_kubernetes_namespace": namespace, "__meta_kubernetes_pod_name": name,
-            "__meta_kubernetes_pod_phase": phase, "__metrics_path__": "/metrics"}
-    meta |= {f"__meta_kubernetes_pod_label_{clean(k)}": v for k, v in pod["metadata"].get("labels", {}).items()}
-    meta |= {f"__meta_kubernetes_pod_annotation_{clean(k)}": v
-             for k, v in pod["metadata"].get("annotations", {}).items()}
-    ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])]
-    return [meta | {"__address__": f"{ip}:{port}", "__meta_kubernetes_pod_container_port_number": str(port)}
-            for port in ports]
 
 
 def test_scrape_config_finds_each_engine_pod_once_on_its_metrics_port():

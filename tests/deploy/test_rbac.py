@@ -118,8 +118,8 @@ def test_the_code_scan_finds_the_operator_calls():
 def test_the_code_scan_refuses_a_path_it_cannot_read():
     with pytest.raises(AssertionError, match="cannot tell which resource"):
         list(kube_calls("async def f(kube, url):\n    await kube.get(url)\n", {}))
-    found = list(kube_calls("async def f(self):\n    await self.rt.kube.merge_patch(pods_path('a', 'b') + '/status', {})\n",
-                            {"pods_path": lambda ns, name: f"/api/v1/namespaces/{ns}/pods/{name}"}))
+    source = "async def f(self):\n    await self.rt.kube.merge_patch(pods_path('a', 'b') + '/status', {})\n"
+    found = list(kube_calls(source, {"pods_path": lambda ns, name: f"/api/v1/namespaces/{ns}/pods/{name}"}))
     assert [grant_of(m, p) for _, m, p in found] == [("", "pods/status", "patch")]
 
 
