@@ -86,6 +86,8 @@ async def step(runtime: Runtime, body: kopf.Body) -> None:
         if current is None or _settled(current):
             return
         result = await reconcile(runtime, current, time.time())
+    meta = body["metadata"]
+    runtime.metrics.observe(meta["namespace"], meta["name"], result.status)
     for event in result.events:
         events.post(body, event)
 
@@ -110,6 +112,7 @@ async def finalize(runtime: Runtime, body: kopf.Body) -> None:
     if status.phase in ACTIVE:
         raise kopf.TemporaryError(f"reverting before deletion: {status.message}", delay=runtime.settings.tick)
     runtime.locks.pop(body["metadata"]["uid"], None)
+    runtime.metrics.forget(body["metadata"]["namespace"], body["metadata"]["name"])
     try:
         spec = parse_spec(current.get("spec") or {})
     except SpecError:

@@ -18,6 +18,8 @@ async def run(settings: OperatorSettings, *, stop_flag: asyncio.Event | None = N
               liveness: str | None = None) -> None:
     """Run the operator until `stop_flag` is set (or forever)."""
     runtime = Runtime(settings)
+    if settings.metrics_port:
+        runtime.metrics.serve(settings.metrics_port)
     registry = build_registry(runtime)
     await kopf.operator(
         registry=registry,

@@ -11,6 +11,7 @@ import kopf
 
 from graft.operator.admin import AdminClient
 from graft.operator.kube import Kube, secret_path, secret_value
+from graft.operator.metrics import OperatorMetrics
 from graft.operator.prometheus import PrometheusProvider
 from graft.operator.settings import OperatorSettings
 from graft.rollout.observation import Problem
@@ -37,6 +38,7 @@ class Runtime:
                                   retries=settings.admin_retries)
         self._token_read_at = float("-inf")
         self._providers: dict[tuple, PrometheusProvider] = {}
+        self.metrics = OperatorMetrics()
 
     # Kubernetes login, chosen by settings
     async def login(self, logger: Any = None, **kwargs: Any) -> kopf.ConnectionInfo | None:
