@@ -111,6 +111,18 @@ def metric_value(text: str, metric: str, /, **labels: str) -> float:
     return total
 
 
+def wait_for_metric(eng: EngineProcess, metric: str, ok, timeout: float = 30, **labels: str) -> float:
+    """Poll the engine's /metrics until `ok(value)` holds for `metric` (summed over `labels`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metric_value(httpx.get(eng.url + "/metrics", timeout=5).text, metric, **labels)
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{metric}{labels} is {value} after {timeout}s")
+        time.sleep(0.05)
+
+
 def sse_events(lines) -> list[dict]:
     out = []
     for line in lines:
