@@ -43,9 +43,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from graft.engine.serve import ServeOptions, serve
     opts = ServeOptions(host=args.host, port=args.port, admin_host=args.admin_host,
                         admin_port=None if args.no_admin else args.admin_port,
-                        admin_insecure=args.admin_insecure, enable_test_patches=args.enable_test_patches,
-                        trusted_keys=args.trusted_key or [], patches=os.environ.get("GRAFT_PATCHES", ""),
-                        grace=args.grace, served_model_name=args.served_model_name)
+                        admin_insecure=args.admin_insecure, admin_token_file=args.admin_token_file,
+                        admin_tls_cert=args.admin_tls_cert, admin_tls_key=args.admin_tls_key,
+                        enable_test_patches=args.enable_test_patches, trusted_keys=args.trusted_key or [],
+                        allow_unsigned_bundles=args.allow_unsigned_bundles, bundle_timeout=args.bundle_timeout,
+                        patches=os.environ.get("GRAFT_PATCHES", ""), grace=args.grace,
+                        served_model_name=args.served_model_name)
     asyncio.run(serve(engine_config(args), opts))
     return 0
 
@@ -89,12 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.add_argument("--host", default="0.0.0.0")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--admin-host", default=None, help="admin API address (default: --host)")
+    s.add_argument("--admin-host", default="127.0.0.1",
+                   help="admin API address (default 127.0.0.1: give the pod IP, or 0.0.0.0, for the operator)")
     s.add_argument("--admin-port", type=int, default=8081)
     s.add_argument("--no-admin", action="store_true", help="no admin API (no hot patches)")
     s.add_argument("--admin-insecure", action="store_true", help="run the admin API without a token")
-    s.add_argument("--enable-test-patches", action="store_true", help="register fault@1 and skew@1")
-    s.add_argument("--trusted-key", action="append", help="Ed25519 public key (PEM file) bundles must be signed with")
+    s.add_argument("--admin-token-file", default=None,
+                   help="file holding the admin token, re-read when it changes (default: $GRAFT_ADMIN_TOKEN_FILE)")
+    s.add_argument("--admin-tls-cert", metavar="FILE", help="serve the admin API over TLS with this PEM certificate")
+    s.add_argument("--admin-tls-key", metavar="FILE", help="the private key (PEM) of --admin-tls-cert")
+    s.add_argument("--enable-test-patches", action="store_true", help="register fault@1, slow@1 and skew@1")
+    s.add_argument("--trusted-key", action="append",
+                   help="Ed25519 public key (PEM file) bundles must be signed with; without one no bundle runs")
+    s.add_argument("--allow-unsigned-bundles", action="store_true",
+                   help="development only: run bundles checked by their pinned digest alone")
+    s.add_argument("--bundle-timeout", type=float, default=10.0,
+                   help="seconds a bundle may take to load (and to configure or migrate) before it is refused")
     s.add_argument("--grace", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     s.add_argument("--served-model-name", default=None)
     s.set_defaults(func=cmd_serve)

@@ -1,22 +1,26 @@
 """`graft serve`: the engine, its OpenAI app and its admin app, in one process, living well in a pod.
 
 SIGTERM turns the engine not-ready and stops admission, lets in-flight requests finish within the
-grace period, then exits.
+grace period, then exits. Every admin setting (token, trusted keys, TLS files, GRAFT_PATCHES) is
+checked before the model loads, so a mistake ends the process at once with a one-line reason.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import signal
+import ssl
 from dataclasses import dataclass, field
 
 import uvicorn
 
+from graft.engine.admin import AdminToken
 from graft.engine.config import EngineConfig
 from graft.engine.engine import LLMEngine
+from graft.engine.patches.base import parse_patch_list
+from graft.engine.patches.bundle import BundleVerifier
 from graft.engine.server import build_app
 
 log = logging.getLogger(__name__)
@@ -34,14 +38,64 @@ class _Server(uvicorn.Server):
 class ServeOptions:
     host: str = "0.0.0.0"
     port: int = 8000
-    admin_host: str | None = None       # defaults to host
+    admin_host: str = "127.0.0.1"       # only the operator calls it: not on every interface unless asked
     admin_port: int | None = 8081       # None: no admin API
     admin_insecure: bool = False
+    admin_token_file: str | None = None  # default: GRAFT_ADMIN_TOKEN_FILE
+    admin_tls_cert: str | None = None
+    admin_tls_key: str | None = None
     enable_test_patches: bool = False
     trusted_keys: list[str] = field(default_factory=list)
+    allow_unsigned_bundles: bool = False
+    bundle_timeout: float = 10.0        # seconds bundle code may run outside the step loop
     patches: str = ""                   # `name@version,...` applied at start-up (GRAFT_PATCHES)
     grace: float = 30.0
     served_model_name: str | None = None
+
+
+@dataclass(slots=True)
+class AdminSetup:
+    """What the admin API needs, checked before the model loads so a bad setting fails in a second."""
+
+    token: AdminToken | None
+    verifier: BundleVerifier
+    ssl: dict[str, str]
+
+
+def check_admin_setup(opts: ServeOptions) -> AdminSetup:
+    """Validate every admin setting and GRAFT_PATCHES; SystemExit with a one-line reason otherwise."""
+    try:
+        parse_patch_list(opts.patches)
+    except ValueError as exc:
+        raise SystemExit(f"GRAFT_PATCHES: {exc}") from None
+    try:
+        token = AdminToken.from_env(opts.admin_token_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"admin token: {exc}") from None
+    if token is None and not opts.admin_insecure:
+        raise SystemExit("the admin API needs a token: set GRAFT_ADMIN_TOKEN or GRAFT_ADMIN_TOKEN_FILE, "
+                         "or pass --admin-insecure to run it without one")
+    try:
+        verifier = BundleVerifier.from_files(opts.trusted_keys, opts.allow_unsigned_bundles)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--trusted-key: {exc}") from None
+    if opts.allow_unsigned_bundles:
+        log.warning("--allow-unsigned-bundles: any caller with the admin token can run code in this engine")
+    if opts.bundle_timeout <= 0:
+        raise SystemExit("--bundle-timeout must be positive")
+    return AdminSetup(token, verifier, _tls(opts))
+
+
+def _tls(opts: ServeOptions) -> dict[str, str]:
+    if (opts.admin_tls_cert is None) != (opts.admin_tls_key is None):
+        raise SystemExit("--admin-tls-cert and --admin-tls-key go together")
+    if opts.admin_tls_cert is None:
+        return {}
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(opts.admin_tls_cert, opts.admin_tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"--admin-tls-cert/--admin-tls-key: {exc}") from None
+    return {"ssl_certfile": opts.admin_tls_cert, "ssl_keyfile": opts.admin_tls_key}
 
 
 def served_name(model: str | None) -> str:
@@ -55,38 +109,23 @@ def served_name(model: str | None) -> str:
     return path.name
 
 
-def load_admin_token() -> str | None:
-    """The admin token from GRAFT_ADMIN_TOKEN, or from the file GRAFT_ADMIN_TOKEN_FILE names."""
-    path = os.environ.get("GRAFT_ADMIN_TOKEN_FILE")
-    if path:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-        if not token:
-            raise SystemExit(f"GRAFT_ADMIN_TOKEN_FILE {path} is empty")
-        return token
-    return os.environ.get("GRAFT_ADMIN_TOKEN") or None
-
-
 async def serve(config: EngineConfig, opts: ServeOptions) -> None:
-    token = load_admin_token()
-    if opts.admin_port is not None and token is None and not opts.admin_insecure:
-        raise SystemExit("the admin API needs a token: set GRAFT_ADMIN_TOKEN or GRAFT_ADMIN_TOKEN_FILE, "
-                         "or pass --admin-insecure to run it without one")
+    admin = check_admin_setup(opts) if opts.admin_port is not None else None
     engine = await asyncio.to_thread(LLMEngine, config)
     engine.start()
     model_name = opts.served_model_name or served_name(config.model)
-    apps = [(build_app(engine, model_name), opts.host, opts.port)]
-    if opts.admin_port is not None:
+    apps = [(build_app(engine, model_name), opts.host, opts.port, {})]
+    if admin is not None:
         from graft.engine.admin import build_admin_app
         from graft.engine.patches.manager import PatchManager
-        manager = PatchManager(engine, enable_test_patches=opts.enable_test_patches,
-                               trusted_keys=opts.trusted_keys)
+        manager = PatchManager(engine, enable_test_patches=opts.enable_test_patches, verifier=admin.verifier,
+                               bundle_timeout=opts.bundle_timeout)
         if opts.patches:
             await manager.apply_startup(opts.patches)
-        apps.append((build_admin_app(manager, token), opts.admin_host or opts.host, opts.admin_port))
+        apps.append((build_admin_app(manager, admin.token), opts.admin_host, opts.admin_port, admin.ssl))
     servers = [_Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                      access_log=False, timeout_graceful_shutdown=5))
-               for app, host, port in apps]
+                                      access_log=False, timeout_graceful_shutdown=5, **tls))
+               for app, host, port, tls in apps]
 
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -105,8 +144,9 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> None:
 
     tasks = [asyncio.create_task(s.serve()) for s in servers]
     watcher = asyncio.create_task(shutdown())
+    admin_url = f"{'https' if admin.ssl else 'http'}://{opts.admin_host}:{opts.admin_port}" if admin else None
     print(f"graft engine serving {model_name} on http://{opts.host}:{opts.port}"
-          + (f", admin on :{opts.admin_port}" if opts.admin_port is not None else ""), flush=True)
+          + (f", admin on {admin_url}" if admin_url else ""), flush=True)
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for t in done:

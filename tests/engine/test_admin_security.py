@@ -43,6 +43,10 @@ def bundle(marker, body: str = "") -> str:
     """)
 
 
+def signed(source: str, key, name: str = "kv-align", version: str = "9.9.9") -> str:
+    return sign(name, version, digest_of(source), key.read_bytes())
+
+
 def post(eng, body, token: str | None = "__default__") -> httpx.Response:
     with eng.admin(token) as admin:
         return admin.post("/admin/patches", json=body) if not isinstance(body, str) else \
@@ -94,7 +98,7 @@ def test_a_bundle_with_the_wrong_digest_never_runs(engine, keys, tmp_path):
     source = bundle(marker)
     wrong = digest_of(source + "\n# tampered")
     r = post(engine, {"name": "kv-align", "version": "9.9.9",
-                      "source": {"module": source, "digest": wrong, "signature": sign(source, (keys / "trusted.key").read_bytes())}})
+                      "source": {"module": source, "digest": wrong, "signature": signed(source, keys / "trusted.key")}})
     assert r.status_code == 403 and "digest" in r.json()["error"]["message"]
     assert not marker.exists()
 
@@ -102,7 +106,7 @@ def test_a_bundle_with_the_wrong_digest_never_runs(engine, keys, tmp_path):
 def test_a_bundle_without_a_trusted_signature_never_runs(engine, keys, tmp_path):
     marker = tmp_path / "ran"
     source = bundle(marker)
-    for signature in (None, sign(source, (keys / "stranger.key").read_bytes()), "bm90LWEtc2lnbmF0dXJl"):
+    for signature in (None, signed(source, keys / "stranger.key"), "bm90LWEtc2lnbmF0dXJl"):
         r = post(engine, {"name": "kv-align", "version": "9.9.9",
                           "source": {"module": source, "digest": digest_of(source), "signature": signature}})
         assert r.status_code == 403, r.text
@@ -115,7 +119,7 @@ def test_a_verified_bundle_applies_and_a_conflicting_one_is_409(engine, keys, tm
     marker = tmp_path / "ran"
     source = bundle(marker)
     body = {"name": "kv-align", "version": "9.9.9",
-            "source": {"module": source, "digest": digest_of(source), "signature": sign(source, (keys / "trusted.key").read_bytes())}}
+            "source": {"module": source, "digest": digest_of(source), "signature": signed(source, keys / "trusted.key")}}
     r = post(engine, body)
     assert r.status_code == 200, r.text
     assert marker.read_text() == "imported"
@@ -134,7 +138,7 @@ def test_a_verified_bundle_that_raises_on_import_is_422_and_changes_nothing(engi
     source = bundle(tmp_path / "ran", body="raise RuntimeError('broken bundle')")
     r = post(engine, {"name": "kv-align", "version": "9.9.9",
                       "source": {"module": source, "digest": digest_of(source),
-                                 "signature": sign(source, (keys / "trusted.key").read_bytes())}})
+                                 "signature": signed(source, keys / "trusted.key")}})
     assert r.status_code == 422
     assert "broken bundle" in r.json()["error"]["message"]
     with engine.admin() as admin:

@@ -11,8 +11,9 @@ from graft.engine.patches.slots import SLOT_NAMES
 if TYPE_CHECKING:
     from graft.engine.engine import LLMEngine
 
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-VERSION_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$")
+# Patterns for `re.fullmatch` only: `re.match` with `$` would accept a trailing newline.
+NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+VERSION_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
 
 
 class PatchError(Exception):
@@ -50,9 +51,9 @@ class Patch:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not NAME_RE.match(self.name):
+        if not NAME_RE.fullmatch(self.name):
             raise ValueError(f"patch name {self.name!r} must be a DNS label (a-z, 0-9, '-')")
-        if not VERSION_RE.match(self.version):
+        if not VERSION_RE.fullmatch(self.version):
             raise ValueError(f"patch version {self.version!r} is not a valid version")
         unknown = set(self.slots) - set(SLOT_NAMES)
         if unknown:
@@ -70,7 +71,7 @@ def parse_patch_list(text: str) -> list[tuple[str, str]]:
         if not item or item == "base":
             continue
         name, sep, version = item.partition("@")
-        if not sep or not NAME_RE.match(name) or not VERSION_RE.match(version):
+        if not sep or not NAME_RE.fullmatch(name) or not VERSION_RE.fullmatch(version):
             raise ValueError(f"{item!r} is not of the form name@version")
         out.append((name, version))
     return out

@@ -2,8 +2,9 @@
 
 A swap runs inside the step loop between two steps (`engine.call_between_steps`), so no forward
 pass ever sees half a table. Right after a swap the self-check runs the probe prompt and compares
-its logits with those recorded under the previous table; beyond the patch's tolerance the swap is
-undone and the caller hears why (422).
+its logits with those recorded under the previous table; beyond the patch's tolerance, or when the
+probe raises, the swap is undone before the step loop runs another step, and the caller hears why
+(422). Swap, probe and commit are one transaction: no request ever runs on a table that failed.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import torch
 
 from graft.engine.patches import registry
 from graft.engine.patches.base import Patch, PatchError, parse_patch_list, revision_of
-from graft.engine.patches.bundle import BundleVerifier, load_bundle
+from graft.engine.patches.bundle import BundleVerifier, describe
+from graft.engine.patches.loading import load_checked, run_guarded
+from graft.engine.patches.slots import SLOT_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +70,22 @@ def probe_verdict(before: torch.Tensor, after: torch.Tensor, tolerance: float, d
 
 
 class PatchManager:
-    def __init__(self, engine, *, enable_test_patches: bool = False, trusted_keys: list[str] | None = None):
+    """The engine's applied patches, and the only way to change them (one change at a time).
+
+    `verifier` decides which bundles may run; `bundle_timeout` bounds, in seconds, each run of
+    bundle code outside the step loop (its import, `configure`, `migrate`).
+    """
+
+    def __init__(self, engine, *, enable_test_patches: bool = False, verifier: BundleVerifier | None = None,
+                 bundle_timeout: float = 10.0):
         self.engine = engine
         self.available: dict[str, Patch] = registry.discover(include_test=enable_test_patches)
-        self.verifier = BundleVerifier.from_files(trusted_keys or [])
+        self.verifier = verifier or BundleVerifier([])
+        self.bundle_timeout = bundle_timeout
         self.applied: dict[str, Applied] = {}      # by patch name
         self.base_slots = engine.slots
         self._lock = asyncio.Lock()
+        self._bundles: dict[str, list[Patch]] = {}  # digest -> the patches of a bundle loaded once
         self._probe_ids = engine.tokenizer.encode(PROBE_PROMPT)
         self._probe_cache: dict[str, torch.Tensor] = {}   # revision -> its probe logits
 
@@ -89,49 +101,99 @@ class PatchManager:
                               for p in sorted(self.available.values(), key=lambda p: p.id)]}
 
     # resolution
-    def resolve(self, name: str, version: str, source: Mapping[str, Any]) -> Patch:
+    def admit(self, name: str, version: str, source: Mapping[str, Any]) -> str:
+        """The digest of what the request may apply (`builtin` for a built-in); nothing runs before this."""
+        if "builtin" in source:
+            return "builtin"
+        module = source.get("module")
+        if not isinstance(module, str) or not module.strip():
+            raise PatchError(400, "source.module must hold the bundle's Python source")
+        return self.verifier.verify(module, source.get("digest"), source.get("signature"), name=name, version=version)
+
+    async def resolve(self, name: str, version: str, source: Mapping[str, Any], digest: str) -> Patch:
         if "builtin" in source:
             patch = self.available.get(f"{name}@{version}")
             if patch is None:
                 known = sorted(self.available)
                 raise PatchError(404, f"no built-in patch {name}@{version} (available: {', '.join(known) or 'none'})")
             return patch
-        module, digest = source.get("module"), source.get("digest")
-        if not isinstance(module, str) or not module.strip():
-            raise PatchError(400, "source.module must hold the bundle's Python source")
-        self.verifier.verify(module, digest, source.get("signature"))   # nothing runs before this passes
-        for patch in load_bundle(module, digest.lower()):
+        patches = self._bundles.get(digest)
+        if patches is None:
+            try:
+                patches = await load_checked(source["module"], digest, self.bundle_timeout)
+            except PatchError:
+                self.engine.metrics.patch_failures.labels(name, "load").inc()
+                raise
+            self._bundles[digest] = patches
+        for patch in patches:
             if patch.name == name and patch.version == version:
                 return patch
-        raise PatchError(404, f"the bundle provides no patch {name}@{version}")
+        raise PatchError(404, f"the bundle provides no patch {name}@{version} "
+                              f"(it provides: {', '.join(p.id for p in patches) or 'none'})")
+
+    def _time_limit(self, patch: Patch) -> float | None:
+        return None if patch.digest == "builtin" else self.bundle_timeout
+
+    async def _slots_for(self, patch: Patch, config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The slots `patch` replaces under `config` (its `configure`, run off the event loop)."""
+        if patch.configure is None:
+            return patch.slots
+        try:
+            slots = await run_guarded(patch.configure, config, timeout=self._time_limit(patch),
+                                      what=f"{patch.id} configure()")
+        except (ValueError, TypeError) as exc:
+            raise PatchError(400, f"config: {exc}") from None
+        except PatchError:
+            raise
+        except Exception as exc:
+            raise PatchError(422, f"{patch.id} configure() failed: {describe(exc)}") from None
+        if not isinstance(slots, Mapping) or not set(slots) <= set(SLOT_NAMES) \
+                or not all(callable(f) for f in slots.values()):
+            raise PatchError(422, f"{patch.id} configure() must return callables for known patch points "
+                                  f"({', '.join(SLOT_NAMES)})")
+        return slots
+
+    async def _unmigrate(self, patch: Patch) -> None:
+        """Drop what `migrate` added, off the step loop, once the table no longer uses it."""
+        if patch.unmigrate:
+            try:
+                await run_guarded(patch.unmigrate, self.engine, timeout=self._time_limit(patch),
+                                  what=f"{patch.id} unmigrate()")
+            except Exception:  # the table is back already: what unmigrate() leaves, it ignores
+                log.exception("%s unmigrate() failed", patch.id)
 
     # apply / revert
     async def apply(self, name: str, version: str, source: Mapping[str, Any],
                     config: Mapping[str, Any] | None = None) -> dict[str, Any]:
         async with self._lock:
-            patch = self.resolve(name, version, source)
+            digest = self.admit(name, version, source)
             current = self.applied.get(name)
-            if current is not None:
-                if current.patch.version == version and current.patch.digest == patch.digest:
+            if current is not None:  # answered before any code of the request runs
+                if current.patch.version == version and current.patch.digest == digest:
                     return {"revision": self.revision, "applyMs": 0.0, "changed": False}
-                raise PatchError(409, f"{current.patch.id} is applied; revert it before applying {patch.id}")
-            try:
-                slots = patch.configure(config or {}) if patch.configure else patch.slots
-            except (ValueError, TypeError) as exc:
-                raise PatchError(400, f"config: {exc}") from None
+                raise PatchError(409, f"{current.patch.id} is applied; revert it before applying {name}@{version}")
+            patch = await self.resolve(name, version, source, digest)
+            slots = await self._slots_for(patch, config or {})
             clash = {s: a.patch.id for a in self.applied.values() for s in a.slots if s in slots}
             if clash:
                 raise PatchError(409, f"{patch.id} replaces patch points already patched: {clash}")
             if patch.migrate:  # the costly part, off the step loop: the old table ignores what it adds
-                await asyncio.to_thread(patch.migrate, self.engine)
+                try:
+                    await run_guarded(patch.migrate, self.engine, timeout=self._time_limit(patch),
+                                      what=f"{patch.id} migrate()")
+                except Exception as exc:
+                    await self._unmigrate(patch)
+                    if isinstance(exc, PatchError):
+                        raise
+                    raise PatchError(422, f"{patch.id} migrate() failed: {describe(exc)}") from None
             fut = self.engine.call_between_steps(lambda: self._swap_in(patch, slots, config or {}))
             try:
                 applied, verdict = await asyncio.wrap_future(fut)
-            except BaseException:
-                if patch.unmigrate:
-                    patch.unmigrate(self.engine)
+            except Exception:
+                await self._unmigrate(patch)
                 raise
             if verdict is not None:
+                await self._unmigrate(patch)
                 self.engine.metrics.patch_failures.labels(patch.name, "verify").inc()
                 raise PatchError(422, f"{patch.id} failed its self-check and was reverted: {verdict}")
             log.info("applied %s in %.2f ms (self-check %.1f ms)", patch.id, applied.apply_ms, applied.verify_ms)
@@ -144,6 +206,7 @@ class PatchManager:
             if current is None:
                 raise PatchError(404, f"no patch named {name} is applied")
             ms = await asyncio.wrap_future(self.engine.call_between_steps(lambda: self._swap_out(current)))
+            await self._unmigrate(current.patch)
             return {"revision": self.revision, "applyMs": round(ms, 3), "changed": True}
 
     async def apply_startup(self, spec: str) -> None:
@@ -189,9 +252,12 @@ class PatchManager:
         self._set_revision()
         applied.apply_ms = (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
-        after = self._probe(engine.slots)
+        try:
+            after = self._probe(engine.slots)
+            verdict = probe_verdict(before, after, patch.tolerance, engine.dtype)
+        except BaseException as exc:  # a probe that raises is a failed self-check: the old table comes back
+            verdict = f"the probe raised {describe(exc)}"
         applied.verify_ms = (time.perf_counter() - t1) * 1000
-        verdict = probe_verdict(before, after, patch.tolerance, engine.dtype)
         if verdict is not None:
             self._swap_out(applied)
             return applied, verdict
@@ -207,8 +273,6 @@ class PatchManager:
             engine.scheduler.preempt_all()
         self.applied.pop(applied.patch.name, None)
         engine.slots = self._table()
-        if applied.patch.unmigrate:
-            applied.patch.unmigrate(engine)
         self._set_revision()
         ms = (time.perf_counter() - t0) * 1000
         p = applied.patch

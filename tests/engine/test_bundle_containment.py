@@ -1,0 +1,220 @@
+"""Bundle code can fail, hang or try to exit: the engine answers 422 and keeps serving.
+
+Each test runs against a real `graft serve` process, started with a trusted key and a short
+`--bundle-timeout`, and sends signed bundles the way the operator does.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from graft.engine.patches.bundle import digest_of, sign
+from tests.support import ROOT, start_engine
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+TIMEOUT = 3.0   # the engines' --bundle-timeout
+
+
+@pytest.fixture(scope="module")
+def key(tmp_path_factory):
+    prefix = tmp_path_factory.mktemp("keys") / "release"
+    subprocess.run([sys.executable, "-m", "graft.cli", "patch", "keygen", str(prefix)], check=True, cwd=ROOT,
+                   capture_output=True)
+    return prefix
+
+
+def engine_args(key) -> list[str]:
+    return ["--trusted-key", f"{key}.pub", "--bundle-timeout", str(TIMEOUT)]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, key):
+    eng = start_engine(tmp_path_factory.mktemp("contained"), *engine_args(key))
+    yield eng
+    eng.stop()
+
+
+def bundle(body: str, name: str = "demo", version: str = "1.0.0", slot: str = "attention.gather_aligned",
+           point: str = "kv.gather") -> str:
+    """A bundle providing `name@version` (one slot), with `body` run at import."""
+    return textwrap.dedent("""
+        from graft.engine import attention
+        from graft.engine.patches.base import Patch
+        {body}
+        def patches():
+            return [Patch({name!r}, {version!r}, {{{point!r}: {slot}}})]
+    """).format(body=textwrap.dedent(body), name=name, version=version, slot=slot, point=point)
+
+
+def request(source: str, key, name: str = "demo", version: str = "1.0.0") -> dict:
+    digest = digest_of(source)
+    return {"name": name, "version": version,
+            "source": {"module": source, "digest": digest,
+                       "signature": sign(name, version, digest, (key.parent / f"{key.name}.key").read_bytes())}}
+
+
+def post(eng, body: dict, timeout: float = 60) -> httpx.Response:
+    with eng.admin() as admin:
+        return admin.post("/admin/patches", json=body, timeout=timeout)
+
+
+def revision(eng) -> str:
+    with eng.admin() as admin:
+        return admin.get("/admin/patches").json()["revision"]
+
+
+def completion(eng, n: int = 2) -> int:
+    r = httpx.post(eng.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": n},
+                   timeout=60)
+    return r.status_code
+
+
+def health_latencies(eng, stop: threading.Event) -> list[float]:
+    """Seconds each GET /health took (None for one that failed), polled until `stop` is set."""
+    out: list[float] = []
+    with httpx.Client(timeout=10) as client:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                ok = client.get(eng.url + "/health").status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            out.append(time.monotonic() - t0 if ok else float("inf"))
+            time.sleep(0.05)
+    return out
+
+
+def in_background(fn):
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.setdefault("value", fn()))
+    thread.start()
+    return thread, result
+
+
+def test_a_bundle_that_raises_system_exit_is_422_and_cuts_no_stream(engine, key):
+    lines: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", engine.url + "/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": "Count slowly:", "max_tokens": 48, "ignore_eos": True,
+                "stream": True}) as r:
+            lines.extend(ln for ln in r.iter_lines() if ln)
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    time.sleep(0.3)
+    r = post(engine, request(bundle("raise SystemExit(3)"), key))
+    streaming.join(120)
+    assert r.status_code == 422, r.text
+    assert "SystemExit" in r.json()["error"]["message"]
+    assert engine.proc.poll() is None
+    assert lines[-1] == "data: [DONE]" and len([ln for ln in lines if ln.startswith("data: {")]) >= 48
+    assert revision(engine) == "base" and completion(engine) == 200
+
+
+def test_a_patch_whose_probe_raises_is_reverted_and_answers_422(engine, key):
+    source = bundle("""
+        def broken(q, k, v, scale):
+            raise RuntimeError("prefill is broken")
+    """, slot="broken", point="attention.prefill")
+    r = post(engine, request(source, key))
+    assert r.status_code == 422, r.text
+    assert "prefill is broken" in r.json()["error"]["message"]
+    assert revision(engine) == "base"
+    assert completion(engine) == 200
+
+
+def test_health_answers_while_a_slow_bundle_imports(engine, key):
+    source = bundle("import time\ntime.sleep(1)", name="sleepy")
+    stop = threading.Event()
+    poller, latencies = in_background(lambda: health_latencies(engine, stop))
+    time.sleep(0.2)
+    r = post(engine, request(source, key, name="sleepy"))
+    stop.set()
+    poller.join()
+    assert r.status_code == 200, r.text
+    try:
+        assert len(latencies["value"]) >= 10 and max(latencies["value"]) < 0.5, latencies["value"]
+    finally:
+        with engine.admin() as admin:
+            assert admin.delete("/admin/patches/sleepy").status_code == 200
+
+
+def test_a_bundle_that_never_finishes_loading_is_422_and_the_engine_keeps_serving(engine, key):
+    stop = threading.Event()
+    poller, latencies = in_background(lambda: health_latencies(engine, stop))
+    t0 = time.monotonic()
+    r = post(engine, request(bundle("while True:\n    pass", name="spin"), key, name="spin"))
+    took = time.monotonic() - t0
+    served = completion(engine)
+    stop.set()
+    poller.join()
+    assert r.status_code == 422, r.text
+    assert f"{TIMEOUT:g}" in r.json()["error"]["message"]
+    assert TIMEOUT <= took < TIMEOUT + 30
+    assert served == 200 and max(latencies["value"]) < 0.5, latencies["value"]
+    assert revision(engine) == "base"
+
+
+def test_reapplying_an_applied_bundle_runs_none_of_its_code(engine, key, tmp_path):
+    runs = tmp_path / "runs"
+    source = bundle(f"""
+        with open({str(runs)!r}, "a") as f:
+            f.write("x")
+    """, name="counted")
+    body = request(source, key, name="counted")
+    first = post(engine, body)
+    assert first.status_code == 200 and first.json()["changed"] is True, first.text
+    try:
+        ran = runs.read_text()
+        again = post(engine, body)
+        assert again.status_code == 200 and again.json()["changed"] is False
+        assert runs.read_text() == ran
+    finally:
+        with engine.admin() as admin:
+            admin.delete("/admin/patches/counted")
+
+
+@pytest.mark.parametrize("field,value", [("name", "nl\n"), ("version", "1.0.0\n")])
+def test_a_trailing_newline_is_400(engine, key, field, value):
+    body = request(bundle("", name="nl"), key, name="nl")
+    body[field] = value
+    r = post(engine, body)
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    assert revision(engine) == "base"
+
+
+def test_a_digest_with_a_trailing_newline_is_400(engine, key):
+    body = request(bundle("", name="nl"), key, name="nl")
+    body["source"]["digest"] += "\n"
+    r = post(engine, body)
+    assert r.status_code == 400 and "digest" in r.json()["error"]["message"], r.text
+    with engine.admin() as admin:
+        assert admin.delete("/admin/patches/nl%0A").status_code == 400
+
+
+def test_sigterm_ends_the_engine_while_a_bundle_spins(tmp_path, key):
+    eng = start_engine(tmp_path, *engine_args(key), "--bundle-timeout", "60", "--grace", "2")
+    try:
+        posting, _ = in_background(lambda: post(eng, request(bundle("while True:\n    pass", name="spin"), key,
+                                                             name="spin"), timeout=90).status_code)
+        time.sleep(2.5)   # the bundle is loading now
+        children = psutil.Process(eng.proc.pid).children(recursive=True)
+        eng.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        code = eng.proc.wait(30)
+        assert time.monotonic() - t0 < 15
+        assert code == 0, eng.log()
+        gone, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive
+        posting.join(30)
+    finally:
+        eng.stop(signal.SIGKILL)
