@@ -71,7 +71,9 @@ def test_bundle_example_is_pinned_to_its_source_and_loads():
     config_map = one(objs, "ConfigMap", source["configMap"]["name"])
     module = config_map["data"][source["configMap"]["key"]]
     assert digest_of(module) == source["digest"] == config_map["metadata"]["annotations"]["graft.dev/digest"]
-    BundleVerifier([]).verify(module, source["digest"], None)
+    BundleVerifier([], allow_unsigned=True).verify(module, source["digest"], None,
+                                                   name=rollout["spec"]["patch"]["name"],
+                                                   version=rollout["spec"]["patch"]["version"])
     provided = {p.id for p in load_bundle(module, source["digest"])}
     assert f'{rollout["spec"]["patch"]["name"]}@{rollout["spec"]["patch"]["version"]}' in provided
 
