@@ -90,7 +90,19 @@ def test_engine_image_is_cuda_with_the_engine_and_its_health_check():
     assert "gcc" in " ".join(args_of(final, "RUN"))
     env = " ".join(args_of(final, "ENV"))
     assert "TRITON_CACHE_DIR=/tmp/" in env and "HOME=/tmp" in env
-    assert json.loads(args_of(final, "CMD")[0])[:1] == ["serve"]
+    cmd = json.loads(args_of(final, "CMD")[0])
+    assert cmd[:1] == ["serve"]
+
+
+def test_engine_image_serves_every_port_it_exposes_beyond_loopback():
+    from graft.cli import build_parser
+
+    final = instructions(DOCKER / "engine.Dockerfile")[-1]
+    args, unknown = build_parser().parse_known_args(json.loads(args_of(final, "CMD")[0]))
+    assert not unknown
+    exposed = {int(p) for p in args_of(final, "EXPOSE")[0].split()}
+    assert exposed == {args.port, args.admin_port}
+    assert args.host == args.admin_host == "0.0.0.0"
 
 
 def ignored(path: str, patterns: list[str]) -> bool:

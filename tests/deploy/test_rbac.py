@@ -20,13 +20,16 @@ from pathlib import Path
 import pytest
 
 from graft.devcluster.apimachinery import parse_target, verb
-from tests.deploy.manifests import NAMESPACE, RELEASE, ROOT, of_kind, one, pod_template, render
+from tests.deploy.manifests import NAMESPACE, RELEASE, ROOT, load_file, of_kind, one, pod_template, render
 
 OPERATOR = ROOT / "graft" / "operator"
 # `graft rollout` (cli.py) runs with the user's own credentials, not the operator's.
 NOT_THE_OPERATOR = {"cli.py"}
 KUBE_METHODS = {"get": "GET", "list": "GET", "create": "POST", "delete": "DELETE", "merge_patch": "PATCH"}
-CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces", "clusterkopfpeerings"}
+# resources with no namespace: the built-in ones kopf reads, and our CRDs of scope Cluster
+CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces"} | {
+    crd["spec"]["names"]["plural"] for path in sorted((ROOT / "crds").glob("*.yaml")) for crd in load_file(path)
+    if crd["spec"]["scope"] == "Cluster"}
 SECRET = f"{RELEASE}-admin-token"
 SERVED = "llm"
 SCOPES = {"cluster": {}, "namespace": {"rbac": {"scope": "namespace"}, "watch": {"namespaces": [SERVED]}}}
@@ -51,35 +54,78 @@ Grant = tuple[str, str, str]     # (group, resource[/subresource], verb)
 
 # the operator's own calls, read from its code
 
-def _path_expr(node: ast.expr, helpers: dict) -> str:
-    """Evaluate a call's path argument with placeholder names; ValueError for any other form."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        return _path_expr(node.left, helpers) + _path_expr(node.right, helpers)
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in helpers:
-        args = ["placeholder"] * (len(node.args) + len(node.keywords))
-        return helpers[node.func.id](*args)
-    raise ValueError(ast.unparse(node))
+PLACEHOLDER = "placeholder"
+
+
+class _Paths:
+    """The URL paths a call's path argument can take: string literals, f-strings (module string
+    constants filled in, anything else a placeholder name), `+`, `a if c else b`, the *_path
+    helpers of graft.operator.kube (run with placeholder names), and local names assigned one of
+    those in the same function. Any other form is refused, so no call goes unread."""
+
+    def __init__(self, helpers: dict, constants: dict[str, str], local: dict[str, list[ast.expr]]):
+        self.helpers, self.constants, self.local = helpers, constants, local
+
+    def of(self, node: ast.expr) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value]
+        if isinstance(node, ast.JoinedStr):
+            out = [""]
+            for part in node.values:
+                options = self.of(part) if isinstance(part, ast.Constant) else [self._filled(part.value)]
+                out = [a + b for a in out for b in options]
+            return out
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            return [a + b for a in self.of(node.left) for b in self.of(node.right)]
+        if isinstance(node, ast.IfExp):
+            return self.of(node.body) + self.of(node.orelse)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in self.helpers:
+            return [self.helpers[node.func.id](*[PLACEHOLDER] * (len(node.args) + len(node.keywords)))]
+        if isinstance(node, ast.Name) and node.id in self.local:
+            return [path for value in self.local[node.id] for path in self.of(value)]
+        raise ValueError(ast.unparse(node))
+
+    def _filled(self, node: ast.expr) -> str:
+        return self.constants.get(node.id, PLACEHOLDER) if isinstance(node, ast.Name) else PLACEHOLDER
+
+
+def _assignments(scope: ast.AST) -> dict[str, list[ast.expr]]:
+    out: dict[str, list[ast.expr]] = {}
+    for node in ast.walk(scope):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            out.setdefault(node.targets[0].id, []).append(node.value)
+    return out
+
+
+def _is_kube_call(node: ast.AST) -> bool:
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in KUBE_METHODS and node.args):
+        return False
+    owner = node.func.value
+    return (isinstance(owner, ast.Name) and owner.id == "kube"
+            or isinstance(owner, ast.Attribute) and owner.attr == "kube")
 
 
 def kube_calls(source: str, helpers: dict) -> Iterator[tuple[int, str, str]]:
     """(line, HTTP method, path) of every call through a `Kube` client (`kube.x(...)`, `self.kube.x(...)`)."""
-    for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in KUBE_METHODS and node.args):
-            continue
-        owner = node.func.value
-        if not (isinstance(owner, ast.Name) and owner.id == "kube"
-                or isinstance(owner, ast.Attribute) and owner.attr == "kube"):
-            continue
-        try:
-            path = _path_expr(node.args[0], helpers)
-        except ValueError as e:
-            raise AssertionError(f"line {node.lineno}: cannot tell which resource `{e}` is; build the path "
-                                 "with a graft.operator.kube *_path helper") from None
-        method = "GET" if node.func.attr == "get" else KUBE_METHODS[node.func.attr]
-        yield node.lineno, method, path
+    module = ast.parse(source)
+    constants = {name: value.value for name, values in _assignments(module).items() for value in values
+                 if isinstance(value, ast.Constant) and isinstance(value.value, str)}
+    scopes = [n for n in ast.walk(module) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for scope in scopes:
+        paths = _Paths(helpers, constants, _assignments(scope))
+        # calls in this function's own body, not in functions nested in it (they are scopes too)
+        body = [n for n in ast.walk(scope) if _is_kube_call(n)
+                and not any(inner is not scope and n in set(ast.walk(inner)) for inner in scopes)]
+        for node in body:
+            try:
+                found = paths.of(node.args[0])
+            except ValueError as e:
+                raise AssertionError(f"line {node.lineno}: cannot tell which resource `{e}` is; build the path "
+                                     "with a graft.operator.kube *_path helper") from None
+            method = "GET" if node.func.attr == "get" else KUBE_METHODS[node.func.attr]
+            for path in found:
+                yield node.lineno, method, path
 
 
 def grant_of(method: str, path: str, params: dict | None = None) -> Grant:
@@ -121,6 +167,12 @@ def test_the_code_scan_refuses_a_path_it_cannot_read():
     source = "async def f(self):\n    await self.rt.kube.merge_patch(pods_path('a', 'b') + '/status', {})\n"
     found = list(kube_calls(source, {"pods_path": lambda ns, name: f"/api/v1/namespaces/{ns}/pods/{name}"}))
     assert [grant_of(m, p) for _, m, p in found] == [("", "pods/status", "patch")]
+    source = ('GROUP = "/apis/graft.dev/v1alpha1"\n'
+              "async def f(rt, name, ns, cluster):\n"
+              '    path = f"{GROUP}/things/{name}" if cluster else f"{GROUP}/namespaces/{ns}/widgets/{name}"\n'
+              "    await rt.kube.get(path)\n")
+    found = [grant_of(m, p) for _, m, p in kube_calls(source, {})]
+    assert found == [("graft.dev", "things", "get"), ("graft.dev", "widgets", "get")]
 
 
 # the rendered roles, evaluated as RBAC does
@@ -178,9 +230,13 @@ def test_chart_grants_exactly_the_calls_of_the_operator_and_kopf(chart, scope):
         assert not allowed(bindings, "", "pods", "list", "kube-system", None)
 
 
+NO_PROMETHEUS_SECRETS = {"rbac": {"prometheusSecrets": False}}
+
+
 @pytest.mark.parametrize("values", [{}, SCOPES["namespace"], {"adminToken": {"existingSecret": "fleet-token"}}],
                          ids=["cluster", "namespace", "existing-secret"])
 def test_admin_token_is_readable_by_name_in_the_release_namespace_only(chart, values):
+    values = {**values, "rbac": {**values.get("rbac", {}), **NO_PROMETHEUS_SECRETS["rbac"]}}
     objs = render(chart, values)
     bindings = bound_rules(objs, one(objs, "ServiceAccount")["metadata"]["name"])
     secret = values.get("adminToken", {}).get("existingSecret", SECRET)
@@ -188,6 +244,22 @@ def test_admin_token_is_readable_by_name_in_the_release_namespace_only(chart, va
     assert not allowed(bindings, "", "secrets", "get", NAMESPACE, "another-secret")
     assert not allowed(bindings, "", "secrets", "get", SERVED, secret)
     assert not allowed(bindings, "", "secrets", "list", NAMESPACE, None)
+
+
+@pytest.mark.parametrize("scope", list(SCOPES))
+def test_secrets_a_rollout_names_for_prometheus_are_readable_where_it_runs_unless_turned_off(chart, scope):
+    def bindings(values):
+        objs = render(chart, values)
+        return bound_rules(objs, one(objs, "ServiceAccount")["metadata"]["name"])
+
+    on = bindings(SCOPES[scope])
+    assert allowed(on, "", "secrets", "get", SERVED, "prometheus-token")
+    assert not allowed(on, "", "secrets", "list", SERVED, None)
+    assert not allowed(on, "", "secrets", "watch", SERVED, None)
+    rbac = {**SCOPES[scope].get("rbac", {}), "prometheusSecrets": False}
+    off = bindings({**SCOPES[scope], "rbac": rbac})
+    assert not allowed(off, "", "secrets", "get", SERVED, "prometheus-token")
+    assert allowed(off, "", "secrets", "get", NAMESPACE, SECRET)
 
 
 @pytest.mark.parametrize("scope", list(SCOPES))
