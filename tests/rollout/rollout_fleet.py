@@ -1,17 +1,15 @@
 """A fake fleet of engine pods and a fake operator loop around `decide`, for the state machine tests."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import dataclasses
+from dataclasses import dataclass, field
 
 from graft.rollout.decision import (ClearPromote, Decision, LabelPod, PatchPod, PauseRollout, SetWeight,
                                     UnpatchPod)
 from graft.rollout.machine import decide, known_revision
 from graft.rollout.observation import Controls, Measurement, Observation, PodError, PodObservation, Problem
 from graft.rollout.revision import has_patch, with_patch, without_patch
-from graft.rollout.spec import RolloutSpec
-from graft.rollout.spec import parse_spec
+from graft.rollout.spec import RolloutSpec, parse_spec
 from graft.rollout.status import RolloutStatus
 
 BASE = {
@@ -156,6 +154,11 @@ class Fleet:
     def reasons(self) -> list[str]:
         return [e.reason for e in self.events]
 
+    def set_paused(self, paused: bool) -> None:
+        """A person edits spec.paused (`graft rollout pause|resume`): a new generation."""
+        self.spec = dataclasses.replace(self.spec, paused=paused)
+        self.generation += 1
+
 
 def _passing(check, requests: float) -> dict[str, float]:
     """Numbers that pass `check` comfortably, with `requests` behind every count."""
@@ -195,6 +198,25 @@ def _failing(check, requests: float) -> dict[str, float]:
 def healthy(spec: RolloutSpec, requests: float = 100_000) -> list[Measurement]:
     """A measurement for every check that passes it with room to spare."""
     return [Measurement(c.key, _passing(c, requests)) for c in spec.analysis.checks]
+
+
+def with_values(spec: RolloutSpec, changed: dict[str, dict[str, float | None]],
+                requests: float = 100_000) -> list[Measurement]:
+    """Every check healthy except those in `changed` (check key -> the numbers to report)."""
+    out = healthy(spec, requests)
+    for m in out:
+        if m.check in changed:
+            m.values = dict(changed[m.check])
+    return out
+
+
+def no_data(spec: RolloutSpec) -> list[Measurement]:
+    """Every query answered, none with any data (an empty result, as for a revision with no series)."""
+    return [Measurement(c.key, {}) for c in spec.analysis.checks]
+
+
+def provider_down(spec: RolloutSpec, why: str = "Prometheus is unreachable") -> list[Measurement]:
+    return [Measurement(c.key, error=why) for c in spec.analysis.checks]
 
 
 def breaching(spec: RolloutSpec, name: str, requests: float = 100_000, role: str | None = None) -> list[Measurement]:

@@ -1,20 +1,26 @@
-"""The PatchRollout CRD: a valid CRD, its schema accepts what runs and refuses what cannot, and its
-defaults are the spec model's."""
+"""The PatchRollout and analysis template CRDs: valid CRDs, their schemas (and CEL rules) accept what
+runs and refuse what cannot, and their defaults are the spec model's.
+
+Objects go through what kube-apiserver does on a write (graft.devcluster.crd: pruning, structural
+defaults, the schema, list types, CEL rules), with unknown fields reported as strict field
+validation (kubectl's default) reports them.
+"""
 import copy
 from pathlib import Path
 
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
-from graft.rollout.spec import DEFAULT_PROMETHEUS, DEFAULTS, SpecError, parse_spec
+from graft.devcluster.crd import check, served_versions
+from graft.rollout.spec import DEFAULTS, SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "patchrollout.yaml").read_text())
+TEMPLATE_CRDS = list(yaml.safe_load_all((ROOT / "crds" / "patchanalysistemplate.yaml").read_text()))
 VERSION = CRD["spec"]["versions"][0]
-SCHEMA = VERSION["schema"]["openAPIV3Schema"]
-VALIDATOR = jsonschema.Draft7Validator(SCHEMA)
+(ROLLOUT,) = served_versions(CRD)
+TEMPLATES = {v.kind: v for crd in TEMPLATE_CRDS for v in served_versions(crd)}
 DIGEST = "sha256:" + "0123456789abcdef" * 4
 
 
@@ -25,27 +31,26 @@ def manifest(**spec):
             "metadata": {"name": "kv-align-3-2-1", "namespace": "llm"}, "spec": {**base, **spec}}
 
 
-def apply_defaults(schema: dict, value):
-    """Structural defaulting as the API server does it: a missing field with a default gets it."""
-    if isinstance(value, dict):
-        for key, sub in (schema.get("properties") or {}).items():
-            if key not in value and "default" in sub:
-                value[key] = copy.deepcopy(sub["default"])
-            if key in value:
-                apply_defaults(sub, value[key])
-    elif isinstance(value, list) and "items" in schema:
-        for item in value:
-            apply_defaults(schema["items"], item)
-    return value
+def stored(obj, version=ROLLOUT):
+    """What the API server would store: unknown fields pruned, defaults filled in."""
+    body = copy.deepcopy(obj)
+    version.prune(body)
+    version.default(body)
+    return body
 
 
-def schema_errors(obj) -> list[str]:
-    return ["/".join(str(p) for p in e.absolute_path) or e.message for e in VALIDATOR.iter_errors(obj)]
+def errors(obj, version=ROLLOUT) -> list[str]:
+    """The field paths the API server names when it refuses `obj` (strict field validation)."""
+    body = copy.deepcopy(obj)
+    unknown = version.prune(body)
+    version.default(body)
+    return [f"{p} (unknown field)" for p in unknown] + [e.field for e in version.validate(body)]
 
 
-def test_crd_is_a_valid_apiextensions_v1_object():
-    kubernetes_validate.validate(CRD, "1.32", strict=True)
-    jsonschema.Draft7Validator.check_schema(SCHEMA)
+@pytest.mark.parametrize("crd", [CRD, *TEMPLATE_CRDS], ids=lambda c: c["metadata"]["name"])
+def test_crd_is_a_valid_apiextensions_v1_object(crd):
+    kubernetes_validate.validate(crd, "1.32", strict=True)
+    assert check(crd) == [], "kube-apiserver's own checks: schemas, patterns, CEL rules that compile"
 
 
 def test_names_scope_columns_and_status_subresource():
@@ -59,27 +64,41 @@ def test_names_scope_columns_and_status_subresource():
                        "Age": ".metadata.creationTimestamp"}
 
 
+def test_template_crds_one_namespaced_one_cluster_wide():
+    ns, cluster = TEMPLATES["PatchAnalysisTemplate"], TEMPLATES["ClusterPatchAnalysisTemplate"]
+    assert (ns.group, ns.version, ns.plural, ns.namespaced) == (
+        "graft.dev", "v1alpha1", "patchanalysistemplates", True)
+    assert (cluster.plural, cluster.namespaced) == ("clusterpatchanalysistemplates", False)
+    # the paths the operator reads them from (graft.operator.reconcile.load_templates)
+    from graft.operator.reconcile import TEMPLATE_GROUP
+    assert TEMPLATE_GROUP == f"/apis/{ns.group}/{ns.version}"
+
+
 def test_crd_defaults_equal_the_spec_model_defaults():
-    defaulted = apply_defaults(SCHEMA, manifest())["spec"]
+    defaulted = stored(manifest())["spec"]
     expected = copy.deepcopy(DEFAULTS)
     # the Prometheus address is left to the operator's fleet-wide setting (GRAFT_PROMETHEUS_ADDRESS)
     expected["analysis"]["prometheus"] = {}
     for key, value in expected.items():
         assert defaulted[key] == value, key
-    assert parse_spec(defaulted).analysis.prometheus == DEFAULT_PROMETHEUS
+    assert "breakers" not in defaulted["analysis"] and "gates" not in defaulted["analysis"], \
+        "the default checks come from parse_spec, so a rollout naming a template gets none of them"
+    assert parse_spec(defaulted).analysis.prometheus.address == ""
     minimal = manifest()["spec"]
     del minimal["patch"]["source"]
-    assert apply_defaults(SCHEMA["properties"]["spec"], copy.deepcopy(minimal))["patch"]["source"] == {"builtin": {}}
+    assert stored({**manifest(), "spec": minimal})["spec"]["patch"]["source"] == {"builtin": {}}
     assert parse_spec(defaulted) == parse_spec(minimal)
 
 
 def test_partial_analysis_gets_the_remaining_defaults_in_both():
-    m = manifest(analysis={"interval": "10s"})
-    defaulted = apply_defaults(SCHEMA, copy.deepcopy(m))["spec"]
-    assert defaulted["analysis"]["noData"] == "hold" and defaulted["analysis"]["minRequests"] == 20
-    assert parse_spec(defaulted) == parse_spec(m["spec"])
+    m = manifest(analysis={"interval": "10s", "gates": [{"name": "error-rate-delta", "max": 0.002}]})
+    a = stored(m)["spec"]["analysis"]
+    assert (a["interval"], a["noData"], a["confidence"], a["rollbackConfidence"]) == ("10s", "hold", 0.95, 0.999)
+    assert (a["inconclusiveLimit"], a["errorLimit"]) == (20, 4)
+    assert parse_spec(stored(m)["spec"]) == parse_spec(m["spec"])
 
 
+QUERY = 'histogram_quantile(0.9, rate(x{revision="{{canaryRevision}}"}[{{window}}]))'
 VALID = [
     manifest(),
     manifest(patch={"name": "kv-align", "version": "3.2.1",
@@ -87,66 +106,139 @@ VALID = [
     manifest(trafficRouting={"gatewayAPI": {"httpRoute": "llm", "stableService": "llm-stable",
                                             "canaryService": "llm-canary"}}),
     manifest(steps=[{"weight": 10, "pause": "1h30m"}, {"weight": 100, "pause": "250ms"}],
-             analysis={"prometheus": {"address": "https://prom:9090"}, "interval": "5s", "noData": "fail",
-                       "minRequests": 0,
-                       "metrics": [{"name": "ttft-p90", "max": 2,
-                                    "query": "histogram_quantile(0.9, rate(x{revision="
-                                             "\"{{canaryRevision}}\"}[{{window}}]))"},
-                                   {"name": "cpu", "dryRun": True}]},
+             analysis={"prometheus": {"address": "https://prom:9090",
+                                      "bearerTokenSecret": {"name": "prom", "key": "token"},
+                                      "caSecret": {"name": "prom-ca", "key": "ca.crt"},
+                                      "headers": [{"name": "X-Scope-OrgID", "value": "llm"}]},
+                       "interval": "5s", "noData": "fail", "confidence": 0.9, "rollbackConfidence": 0.99,
+                       "inconclusiveLimit": 0, "errorLimit": 10,
+                       "breakers": [{"name": "ttft-p90", "max": 2, "query": QUERY, "consecutive": 2},
+                                    {"name": "cpu", "max": 0.9, "dryRun": True},
+                                    {"name": "tpot-p99", "maxRatio": 1.3, "max": 0.2, "window": "30s"}],
+                       "gates": [{"name": "tpot-p99", "maxRatio": 1.2, "minSamples": 400},
+                                 {"name": "errors", "metric": "error-rate", "max": 0.01, "window": "step"},
+                                 {"name": "success-rate", "min": 0.999}]},
              progressDeadline="1h", paused=True),
 ]
 
 
 @pytest.mark.parametrize("obj", VALID)
-def test_valid_manifests_pass_the_schema_and_the_spec_model(obj):
-    assert schema_errors(apply_defaults(SCHEMA, copy.deepcopy(obj))) == []
-    parse_spec(obj["spec"])
+def test_valid_manifests_pass_the_api_server_and_the_spec_model(obj):
+    assert errors(obj) == []
+    parse_spec(stored(obj)["spec"])
+
+
+def br(*checks):
+    return {"analysis": {"breakers": list(checks)}}
 
 
 INVALID = [
-    ("no selector", {"selector": None}, "spec"),
-    ("patch name", {"patch": {"name": "Kv_Align", "version": "1"}}, "spec/patch/name"),
+    ("no selector", {"selector": None}, "spec.selector"),
+    ("empty selector", {"selector": {}}, "spec.selector"),
+    ("patch name", {"patch": {"name": "Kv_Align", "version": "1"}}, "spec.patch.name"),
     ("both sources", {"patch": {"name": "p", "version": "1", "source": {
-        "builtin": {}, "configMap": {"name": "c", "key": "k"}, "digest": DIGEST}}}, "spec/patch/source"),
+        "builtin": {}, "configMap": {"name": "c", "key": "k"}, "digest": DIGEST}}}, "spec.patch.source"),
     ("no digest", {"patch": {"name": "p", "version": "1", "source": {"configMap": {"name": "c", "key": "k"}}}},
-     "spec/patch/source"),
+     "spec.patch.source"),
     ("bad digest", {"patch": {"name": "p", "version": "1", "source": {
-        "configMap": {"name": "c", "key": "k"}, "digest": "sha256:ABC"}}}, "spec/patch/source/digest"),
+        "configMap": {"name": "c", "key": "k"}, "digest": "sha256:ABC"}}}, "spec.patch.source.digest"),
     ("two routings", {"trafficRouting": {"podRatio": {}, "gatewayAPI": {
-        "httpRoute": "r", "stableService": "a", "canaryService": "b"}}}, "spec/trafficRouting"),
+        "httpRoute": "r", "stableService": "a", "canaryService": "b"}}}, "spec.trafficRouting"),
     ("route without services", {"trafficRouting": {"gatewayAPI": {"httpRoute": "r"}}},
-     "spec/trafficRouting/gatewayAPI"),
-    ("weight 0", {"steps": [{"weight": 0}, {"weight": 100}]}, "spec/steps/0/weight"),
-    ("weight 101", {"steps": [{"weight": 101}]}, "spec/steps/0/weight"),
-    ("no steps", {"steps": []}, "spec/steps"),
-    ("pause spelling", {"steps": [{"weight": 100, "pause": "ten minutes"}]}, "spec/steps/0/pause"),
-    ("deadline spelling", {"progressDeadline": "30 min"}, "spec/progressDeadline"),
-    ("noData", {"analysis": {"noData": "ignore"}}, "spec/analysis/noData"),
-    ("minRequests", {"analysis": {"minRequests": -5}}, "spec/analysis/minRequests"),
-    ("consecutive", {"analysis": {"metrics": [{"name": "cpu", "consecutive": 0}]}},
-     "spec/analysis/metrics/0/consecutive"),
-    ("threshold type", {"analysis": {"metrics": [{"name": "cpu", "max": "lots"}]}}, "spec/analysis/metrics/0/max"),
+     "spec.trafficRouting.gatewayAPI.stableService"),
+    ("weight 0", {"steps": [{"weight": 0}, {"weight": 100}]}, "spec.steps[0].weight"),
+    ("weight 101", {"steps": [{"weight": 101}]}, "spec.steps[0].weight"),
+    ("no steps", {"steps": []}, "spec.steps"),
+    ("steps out of order", {"steps": [{"weight": 50}, {"weight": 20}, {"weight": 100}]}, "spec.steps"),
+    ("last step below 100", {"steps": [{"weight": 20}, {"weight": 50}]}, "spec.steps"),
+    ("pause spelling", {"steps": [{"weight": 100, "pause": "ten minutes"}]}, "spec.steps[0].pause"),
+    ("deadline spelling", {"progressDeadline": "30 min"}, "spec.progressDeadline"),
+    ("noData", {"analysis": {"noData": "ignore"}}, "spec.analysis.noData"),
+    ("old minRequests", {"analysis": {"minRequests": 20}}, "spec.analysis.minRequests (unknown field)"),
+    ("old metrics list", {"analysis": {"metrics": [{"name": "cpu", "max": 0.9}]}},
+     "spec.analysis.metrics (unknown field)"),
+    ("interval spelling", {"analysis": {"interval": "often"}}, "spec.analysis.interval"),
+    ("confidence", {"analysis": {"confidence": 0.3}}, "spec.analysis.confidence"),
+    ("errorLimit", {"analysis": {"errorLimit": -1}}, "spec.analysis.errorLimit"),
+    ("address", {"analysis": {"prometheus": {"address": "prometheus:9090"}}}, "spec.analysis.prometheus.address"),
+    ("token secret key", {"analysis": {"prometheus": {"bearerTokenSecret": {"name": "t"}}}},
+     "spec.analysis.prometheus.bearerTokenSecret.key"),
+    ("unknown metric", br({"name": "x", "metric": "gpu-temp", "max": 1}), "spec.analysis.breakers[0].metric"),
+    ("custom without query", br({"name": "gpu-temp", "max": 80}), "spec.analysis.breakers[0]"),
+    ("metric and query", br({"name": "x", "metric": "cpu", "query": "up", "max": 1}), "spec.analysis.breakers[0]"),
+    ("no threshold", br({"name": "cpu"}), "spec.analysis.breakers[0]"),
+    ("min above max", br({"name": "cpu", "min": 0.9, "max": 0.5}), "spec.analysis.breakers[0]"),
+    ("maxRatio 0", br({"name": "tpot-p99", "maxRatio": 0}), "spec.analysis.breakers[0].maxRatio"),
+    ("consecutive", br({"name": "cpu", "max": 0.9, "consecutive": 0}), "spec.analysis.breakers[0].consecutive"),
+    ("threshold type", br({"name": "cpu", "max": "lots"}), "spec.analysis.breakers[0].max"),
+    ("window spelling", br({"name": "cpu", "max": 0.9, "window": "soon"}), "spec.analysis.breakers[0].window"),
+    ("two breakers of a name", br({"name": "cpu", "max": 0.9}, {"name": "cpu", "max": 0.5}),
+     "spec.analysis.breakers[1]"),
 ]
 
 
 @pytest.mark.parametrize("what,spec,path", INVALID, ids=[i[0] for i in INVALID])
-def test_invalid_manifests_are_refused_by_the_schema_and_the_spec_model(what, spec, path):
+def test_invalid_manifests_are_refused_by_the_api_server_and_the_spec_model(what, spec, path):
     obj = manifest(**spec)
     if spec.get("selector", True) is None:
         del obj["spec"]["selector"]
-    assert path in schema_errors(apply_defaults(SCHEMA, obj)), what
+    assert path in errors(obj), (what, errors(obj))
     with pytest.raises(SpecError):
         parse_spec(obj["spec"])
 
 
-def test_rules_a_schema_cannot_express_are_cel_and_in_the_spec_model():
-    """Ordering of steps and their last weight: CEL on a real API server, the spec model everywhere."""
-    steps_schema = SCHEMA["properties"]["spec"]["properties"]["steps"]
-    rules = " ".join(r["rule"] for r in steps_schema["x-kubernetes-validations"])
-    assert "isSorted" in rules and "== 100" in rules
-    for steps, path in (([{"weight": 50}, {"weight": 20}, {"weight": 100}], "spec.steps[1].weight"),
-                        ([{"weight": 20}, {"weight": 50}], "spec.steps[1].weight")):
-        assert schema_errors(manifest(steps=steps)) == []
-        with pytest.raises(SpecError) as info:
-            parse_spec(manifest(steps=steps)["spec"])
-        assert path in info.value.paths
+@pytest.mark.parametrize("what,analysis,path", [
+    ("a gate counting breaches", {"gates": [{"name": "error-rate-delta", "max": 0.001, "consecutive": 3}]},
+     "spec.analysis.gates[0].consecutive"),
+    ("an error rate above 1", {"breakers": [{"name": "error-rate", "max": 5}]}, "spec.analysis.breakers[0]"),
+    ("cpu against stable", {"breakers": [{"name": "cpu", "maxRatio": 1.2}]}, "spec.analysis.breakers[0].maxRatio"),
+    ("window 'step' on a quantile", {"breakers": [{"name": "tpot-p99", "maxRatio": 1.2, "window": "step"}]},
+     "spec.analysis.breakers[0].window"),
+    ("an interval under a second", {"interval": "500ms"}, "spec.analysis.interval"),
+    ("no checks at all", {"breakers": [], "gates": []}, "spec.analysis"),
+    ("a template that is not there", {"templates": [{"name": "missing"}]}, "spec.analysis.templates"),
+])
+def test_what_only_the_operator_can_refuse(what, analysis, path):
+    """Rules the CRD does not state (or cannot: a template's existence): the spec model refuses them
+    by field, so the operator marks the rollout InvalidSpec instead of running it."""
+    obj = manifest(analysis=analysis)
+    assert errors(obj) == [], what
+    with pytest.raises(SpecError) as info:
+        parse_spec(stored(obj)["spec"])
+    assert path in info.value.paths, (what, info.value.paths)
+
+
+def template(kind="PatchAnalysisTemplate", **spec):
+    meta = {"name": "gpu-checks"} | ({"namespace": "llm"} if kind == "PatchAnalysisTemplate" else {})
+    return {"apiVersion": "graft.dev/v1alpha1", "kind": kind, "metadata": meta, "spec": spec}
+
+
+TEMPLATE_SPEC = {
+    "args": [{"name": "tenant"}, {"name": "job", "value": "engine"}],
+    "breakers": [{"name": "ttft-p99", "max": 0.8, "window": "30s", "consecutive": 1},
+                 {"name": "kv", "max": 0.25, "query": 'max(x{job="{{args.job}}",t="{{args.tenant}}"})'}],
+    "gates": [{"name": "success-rate", "min": 0.9995, "window": "60s"}],
+}
+
+
+@pytest.mark.parametrize("kind", ["PatchAnalysisTemplate", "ClusterPatchAnalysisTemplate"])
+def test_templates_are_accepted_and_their_checks_run(kind):
+    obj = template(kind, **TEMPLATE_SPEC)
+    assert errors(obj, TEMPLATES[kind]) == []
+    cluster = kind.startswith("Cluster")
+    rollout = manifest(analysis={"templates": [{"name": "gpu-checks", "clusterScope": cluster}],
+                                 "args": [{"name": "tenant", "value": "acme"}]})
+    assert errors(rollout) == []
+    spec = parse_spec(stored(rollout)["spec"], {("gpu-checks", cluster): stored(obj, TEMPLATES[kind])["spec"]})
+    assert [c.key for c in spec.analysis.checks] == ["breaker/ttft-p99", "breaker/kv", "gate/success-rate"]
+    assert spec.analysis.breakers[1].query == 'max(x{job="engine",t="acme"})'
+
+
+@pytest.mark.parametrize("spec,path", [
+    ({"breakers": [{"name": "cpu"}]}, "spec.breakers[0]"),
+    ({"gates": [{"name": "x", "metric": "gpu", "max": 1}]}, "spec.gates[0].metric"),
+    ({"args": [{"name": "1st"}]}, "spec.args[0].name"),
+    ({"metrics": []}, "spec.metrics (unknown field)"),
+])
+def test_templates_are_refused_naming_the_field(spec, path):
+    assert path in errors(template(**spec), TEMPLATES["PatchAnalysisTemplate"])

@@ -1,12 +1,13 @@
 """The step state machine, driven by a fake fleet and a fake clock."""
 import pytest
+from scipy.stats import binom
 
-from graft.rollout.decision import PatchPod
+from graft.rollout.decision import PatchPod, PauseRollout
 from graft.rollout.machine import analysis_due, canary_target, decide
-from graft.rollout.observation import Measurement, PodError, Problem
+from graft.rollout.observation import PodError, Problem
 from graft.rollout.status import RolloutStatus
 
-from rollout_fleet import Fleet, breaching, healthy, make_spec
+from rollout_fleet import (BASE, Fleet, breaching, healthy, make_spec, no_data, provider_down, with_values)
 
 
 def drive(fleet, status, start, until, measure=healthy, step=1.0, stop=None):
@@ -58,17 +59,26 @@ def test_step_advances_only_after_pause_and_analysis(spec):
     assert status.step_index == 2 and fleet.patched() == set(fleet.pods)
 
 
-def test_failing_metric_rolls_back_after_consecutive_breaches():
-    spec = make_spec()   # error-rate: consecutive 3
+def ticks_of(fleet, status, times, measure):
+    """One analysis run at each of `times`; returns the status after the last."""
+    for t in times:
+        status = fleet.tick(status, t, measure(fleet.spec))
+    return status
+
+
+def test_breaker_rolls_back_after_consecutive_breaches():
+    spec = make_spec()   # breaker error-rate: max 0.005, consecutive 3
     fleet = Fleet.of(spec, 4)
     status = fleet.tick(RolloutStatus(), 0)
     for i, t in enumerate((5, 10, 15)):
         status = fleet.tick(status, t, breaching(spec, "error-rate"))
         if i < 2:
             assert status.phase == "Progressing" and status.analysis.result("error-rate").breaches == i + 1
+            assert status.step_index == 0, "a breaker short of its limit holds the step"
     assert status.phase == "RolledBack" and status.reason == "AnalysisFailed"
     assert fleet.patched() == set()
-    assert "error-rate 0.05 breaches <= 0.005 over 60s (breach 3/3)" in status.message
+    assert "breaker error-rate 50% (50000 errors of 100000 canary requests in 60s)" in status.message
+    assert "(breach 3/3)" in status.message
     assert fleet.reasons().count("AnalysisFailed") == 3
     assert {"RollingBack", "RolledBack"} <= set(fleet.reasons())
 
@@ -85,77 +95,177 @@ def test_a_passing_run_resets_the_breach_count():
     assert status.phase == "Progressing"
 
 
-def test_single_breach_rolls_back_a_check_with_consecutive_one():
-    spec = make_spec()
+CONSECUTIVE_ONE = {"breakers": [{"name": "error-rate", "max": 0.005, "consecutive": 1},
+                                {"name": "latency-p99", "max": 0.8, "window": "30s", "consecutive": 1}]}
+
+
+def one_shot(**changes):
+    return make_spec(analysis={**BASE["analysis"], **CONSECUTIVE_ONE}, **changes)
+
+
+def test_single_breach_rolls_back_a_breaker_with_consecutive_one():
+    spec = one_shot()
     fleet = Fleet.of(spec, 2)
     status = fleet.tick(RolloutStatus(), 0)
     status = fleet.tick(status, 5, breaching(spec, "latency-p99"))
     assert status.phase == "RolledBack"
-    assert "latency-p99 8 breaches <= 0.8 over 30s (breach 1/1)" in status.message
+    assert "latency-p99: canary 5e+04 ms over 30s (1000000 samples): breaches <= 0.8 (breach 1/1)" in status.message
 
 
-def no_data(spec):
-    return [Measurement(c.name, None, 0, 0 if c.comparison else None) for c in spec.analysis.metrics]
+def binomial_breach(errors: int, requests: int, limit: float, confidence: float) -> bool:
+    """The oracle: at least `errors` of `requests` would be rarer than 1 - confidence at the limit."""
+    return errors > 0 and binom.sf(errors - 1, requests, limit) < 1 - confidence
 
 
-def test_no_data_hold_keeps_the_step_then_the_deadline_rolls_back():
-    spec = make_spec(analysis_noData="hold")
-    fleet = Fleet.of(spec, 2)
-    status, now = drive(fleet, RolloutStatus(), 0, 60, measure=no_data)
-    assert status.phase == "Progressing" and status.step_index == 0
-    assert status.analysis.verdict == "Inconclusive"
-    assert all(r.verdict == "Inconclusive" or r.name == "cpu" for r in status.analysis.results)
-    assert "fewer than minRequests 20" in status.analysis.result("error-rate").message
-    assert fleet.reasons().count("AnalysisInconclusive") == 1, "one event per change, not per run"
-    status, _ = drive(fleet, status, now, 200, measure=no_data, stop=lambda s: s.phase != "Progressing")
-    assert status.phase == "RolledBack" and status.reason == "ProgressDeadlineExceeded"
-    assert "analysis Inconclusive" in status.message
-
-
-def test_no_data_fail_counts_as_a_breach():
-    spec = make_spec(analysis_noData="fail")
+@pytest.mark.parametrize("errors,requests,expected", [
+    (1, 40, False), (10, 40, True),          # 2.5% of 40 requests is no evidence against 0.5%; 25% is
+    (3, 40, None), (4, 40, None), (1, 1000, None), (25, 1000, None),    # where the oracle flips
+])
+def test_a_breaker_judges_counts_not_the_raw_ratio(errors, requests, expected):
+    spec = one_shot()
     fleet = Fleet.of(spec, 2)
     status = fleet.tick(RolloutStatus(), 0)
-    status = fleet.tick(status, 5, no_data(spec))
-    assert status.phase == "RolledBack" and "noData: fail" in status.message
+    counts = {"breaker/error-rate": {"canary_requests": requests, "canary_matching": errors}}
+    status = fleet.tick(status, 5, with_values(spec, counts))
+    breach = binomial_breach(errors, requests, 0.005, spec.analysis.rollback_confidence)
+    assert expected is None or breach == expected
+    assert (status.phase == "RolledBack") == breach, status.message
+    if not breach:
+        assert status.analysis.result("error-rate").verdict == "Successful"
 
 
-def test_no_data_pass_lets_the_rollout_through():
-    spec = make_spec(analysis_noData="pass")
-    fleet = Fleet.of(spec, 2)
-    status, _ = drive(fleet, RolloutStatus(), 0, 100, measure=no_data, stop=lambda s: s.phase == "Promoted")
+def test_a_gate_lacking_traffic_holds_only_the_last_step_with_stable_pods():
+    spec = make_spec(steps=[{"weight": 1, "pause": "10s"}, {"weight": 20, "pause": "10s"},
+                            {"weight": 50, "pause": "10s"}, {"weight": 100}])
+    fleet = Fleet.of(spec, 4)
+    few = {"gate/error-rate-delta": {"canary_requests": 300, "canary_errors": 0,
+                                     "stable_requests": 3000, "stable_errors": 0}}
+    status, now = drive(fleet, RolloutStatus(), 0, 120, measure=lambda s: with_values(s, few))
+    assert status.phase == "Progressing" and status.step_index == 2, "steps 1 and 2 may pass, 50% waits"
+    assert status.analysis.verdict == "Inconclusive"
+    delta = status.analysis.result("error-rate-delta", "gate")
+    assert delta.short and "needs at least 2995 canary requests" in delta.message
+    status, _ = drive(fleet, status, now, now + 60, stop=lambda s: s.phase == "Promoted")
     assert status.phase == "Promoted"
 
 
-def test_too_few_requests_is_no_data():
-    spec = make_spec()
+def test_no_data_at_all_reaches_the_last_stable_step_then_pauses_for_a_person():
+    spec = make_spec(analysis_inconclusiveLimit=3)
+    fleet = Fleet.of(spec, 2)
+    status, now = drive(fleet, RolloutStatus(), 0, 60, measure=no_data,
+                        stop=lambda s: s.phase != "Progressing")
+    assert status.phase == "Paused" and status.step_index == 1 and status.reason == "InconclusiveLimit"
+    assert fleet.spec.paused, "PauseRollout: the operator wrote spec.paused"
+    assert "InconclusiveLimit" in fleet.reasons() and "Promoted" not in fleet.reasons()
+    event = next(e for e in fleet.events if e.reason == "InconclusiveLimit")
+    assert event.type == "Warning" and "inconclusiveLimit 3" in event.message and "resume or abort" in event.message
+    assert fleet.patched() == {"pod-0"}, "nothing rolled back: a person decides"
+    # nothing moves while paused
+    status, _ = drive(fleet, status, now + 1, now + 40, measure=no_data)
+    assert (status.phase, status.step_index) == ("Paused", 1)
+
+
+def test_the_inconclusive_limit_counts_only_runs_after_the_steps_pause():
+    spec = make_spec(analysis_inconclusiveLimit=4, analysis_interval="1s",
+                     steps=[{"weight": 50, "pause": "10s"}, {"weight": 100}])
     fleet = Fleet.of(spec, 2)
     status = fleet.tick(RolloutStatus(), 0)
-    status = fleet.tick(status, 5, healthy(spec, requests=19))
-    assert status.analysis.verdict == "Inconclusive"
-    status = fleet.tick(status, 10, healthy(spec, requests=20))
-    assert status.analysis.verdict == "Successful"
+    ready_at, runs_past_pause = status.step_ready_at, 0
+    for t in range(1, 30):
+        status = fleet.tick(status, t, no_data(fleet.spec) if analysis_due(fleet.spec, status, t) else None)
+        if status.analysis.last_run == t and t >= ready_at + 10:
+            runs_past_pause += 1
+        if status.phase == "Paused":
+            break
+        assert runs_past_pause < 4
+    assert status.reason == "InconclusiveLimit" and runs_past_pause == 4
+    assert t == ready_at + 10 + 3, "the fourth holding run after the 10 s pause"
+
+
+def test_no_data_fail_is_a_breach_of_every_breaker_that_got_none():
+    spec = make_spec(analysis_noData="fail")
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    status = ticks_of(fleet, status, (5, 10), no_data)
+    assert status.phase == "Progressing" and status.analysis.result("error-rate").breaches == 2
+    status = ticks_of(fleet, status, (15,), no_data)
+    assert status.phase == "RolledBack" and "noData: fail (breach 3/3)" in status.message
+
+
+GATED = {"breakers": [{"name": "error-rate", "max": 0.005}],
+         "gates": [{"name": "kv-fragmentation", "max": 0.25,
+                    "query": 'max(graft_kv_cache_fragmentation_ratio{namespace="{{namespace}}"})'}]}
+
+
+@pytest.mark.parametrize("policy,promoted", [("hold", False), ("pass", True), ("fail", False)])
+def test_no_data_policy_of_a_gate(policy, promoted):
+    spec = make_spec(analysis={**BASE["analysis"], **GATED, "noData": policy})
+    fleet = Fleet.of(spec, 2)
+    empty = {"gate/kv-fragmentation": {"value": None}}
+    status, _ = drive(fleet, RolloutStatus(), 0, 100, measure=lambda s: with_values(s, empty),
+                      stop=lambda s: s.phase != "Progressing")
+    assert (status.phase == "Promoted") == promoted, status.message
+    if not promoted:
+        # a gate with no data holds; even noData: fail is not conclusive evidence, so never a rollback
+        assert status.step_index == 0 and status.phase in ("Progressing", "Paused")
+        assert "RollingBack" not in fleet.reasons()
 
 
 def test_dry_run_check_is_reported_but_never_decides():
-    spec = make_spec(analysis_metrics=[{"name": "error-rate", "max": 0.01},
-                                       {"name": "latency-p99", "max": 0.5, "dryRun": True}])
+    spec = make_spec(analysis_breakers=[{"name": "error-rate", "max": 0.01},
+                                        {"name": "latency-p99", "max": 0.5, "dryRun": True}])
     fleet = Fleet.of(spec, 2)
-    bad_latency = lambda s: [Measurement("error-rate", 0.0, 100), Measurement("latency-p99", 3.0, 100)]
-    status, _ = drive(fleet, RolloutStatus(), 0, 100, measure=bad_latency, stop=lambda s: s.phase == "Promoted")
+    slow = {"breaker/latency-p99": {"canary_quantile": 3.0, "canary_samples": 5000}}
+    status, _ = drive(fleet, RolloutStatus(), 0, 100, measure=lambda s: with_values(s, slow),
+                      stop=lambda s: s.phase == "Promoted")
     assert status.phase == "Promoted"
     latency = status.analysis.result("latency-p99")
     assert latency.verdict == "Failed" and latency.dry_run and latency.breaches > 1
 
 
-def test_provider_error_holds_and_never_promotes():
-    spec = make_spec()
+def test_provider_errors_pause_at_the_error_limit_and_a_resume_resets_the_count():
+    spec = make_spec()                                   # errorLimit 4
     fleet = Fleet.of(spec, 2)
-    down = lambda s: [Measurement(c.name, error="Prometheus unreachable") for c in s.analysis.metrics]
-    status, _ = drive(fleet, RolloutStatus(), 0, 100, measure=down)
-    assert status.phase == "Progressing" and status.step_index == 0 and status.analysis.verdict == "Error"
-    status, _ = drive(fleet, status, 101, 300, measure=down, stop=lambda s: s.phase != "Progressing")
+    status = fleet.tick(RolloutStatus(), 0)
+    status = ticks_of(fleet, status, (5, 10, 15), provider_down)
+    assert (status.phase, status.analysis.verdict, status.analysis.error_runs) == ("Progressing", "Error", 3)
+    assert status.step_index == 0, "an Error run never advances a step"
+    status = ticks_of(fleet, status, (20,), provider_down)
+    assert status.phase == "Paused" and status.reason == "AnalysisErrorLimit"
+    assert fleet.spec.paused and status.pause_generation is not None
+    event = next(e for e in fleet.events if e.reason == "AnalysisErrorLimit")
+    assert "4 runs in a row (errorLimit 4)" in event.message and "Prometheus is unreachable" in event.message
+    stored = RolloutStatus.from_dict(status.to_dict())
+    assert (stored.pause_generation, stored.analysis.error_runs) == (status.pause_generation, 4)
+    status = ticks_of(fleet, stored, (25, 30), provider_down)
+    assert status.phase == "Paused", "still down: still paused"
+    fleet.set_paused(False)                              # graft rollout resume
+    status = fleet.tick(status, 31)
+    assert status.phase == "Progressing" and "Resumed" in fleet.reasons()
+    assert (status.analysis.error_runs, status.analysis.inconclusive_runs, status.pause_generation) == (0, 0, None)
+    status = ticks_of(fleet, status, (36, 41, 46), provider_down)
+    assert status.phase == "Progressing" and status.analysis.error_runs == 3, "counted from zero again"
+    status, _ = drive(fleet, status, 47, 200, stop=lambda s: s.phase == "Promoted")
+    assert status.phase == "Promoted"
+
+
+def test_error_limit_zero_holds_until_the_deadline_rolls_back():
+    spec = make_spec(analysis_errorLimit=0)
+    fleet = Fleet.of(spec, 2)
+    status, _ = drive(fleet, RolloutStatus(), 0, 300, measure=provider_down, stop=lambda s: s.phase != "Progressing")
     assert status.phase == "RolledBack" and status.reason == "ProgressDeadlineExceeded"
+    assert "analysis Error" in status.message and status.step_index == 0
+
+
+def test_an_analysis_pause_is_asked_for_until_spec_paused_is_seen():
+    spec = make_spec(analysis_errorLimit=1)
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    d = decide(spec, status, fleet.observe(status, {}, provider_down(spec)), 5)
+    assert d.status.phase == "Paused" and PauseRollout() in d.actions
+    # the write of spec.paused has not landed (same generation, paused false): ask again
+    again = decide(spec, d.status, fleet.observe(d.status, {}, None), 6)
+    assert PauseRollout() in again.actions and again.status.phase == "Paused"
 
 
 def test_pause_holds_resume_restarts_the_step_clock():
@@ -178,10 +288,10 @@ def test_pause_holds_resume_restarts_the_step_clock():
 
 
 def test_failing_analysis_rolls_back_even_while_paused():
-    spec = make_spec(paused=False)
+    spec = one_shot(paused=False)
     fleet = Fleet.of(spec, 2)
     status = fleet.tick(RolloutStatus(), 0)
-    fleet.spec = make_spec(paused=True)
+    fleet.spec = one_shot(paused=True)
     status = fleet.tick(status, 1)
     status = fleet.tick(status, 6, breaching(fleet.spec, "latency-p99"))
     assert status.phase == "RolledBack"
@@ -362,7 +472,7 @@ def test_permanent_problem_mid_rollout_reverts_and_fails(spec):
 
 
 def test_gateway_route_follows_pods_and_returns_to_stable_first_on_rollback():
-    spec = make_spec(trafficRouting={"gatewayAPI": {"httpRoute": "llm", "stableService": "llm-stable",
+    spec = one_shot(trafficRouting={"gatewayAPI": {"httpRoute": "llm", "stableService": "llm-stable",
                                                     "canaryService": "llm-canary"}})
     fleet = Fleet.of(spec, 4, gateway=True)
     status = fleet.tick(RolloutStatus(), 0)
@@ -402,18 +512,14 @@ def test_spec_patch_change_mid_rollout_rolls_back(spec):
 
 def test_comparison_checks_are_skipped_once_no_stable_pod_is_left(spec):
     fleet = Fleet.of(spec, 2)
-    status = fleet.tick(RolloutStatus(), 0)
-    fleet.promote = "full"
-    fleet.spec = spec
-    status = fleet.tick(status, 1)
-    assert status.phase == "Promoted"
-    fleet2 = Fleet.of(spec, 2)
-    s2 = fleet2.tick(RolloutStatus(), 0)
-    s2 = fleet2.tick(s2, 10, healthy(spec))
-    s2 = fleet2.tick(s2, 20, healthy(spec))
-    s2 = fleet2.tick(s2, 25, healthy(spec))
-    assert s2.step_index == 2
-    assert s2.analysis.result("error-rate-delta").verdict in ("Skipped", "Successful")
+    status, _ = drive(fleet, RolloutStatus(), 0, 100, stop=lambda s: s.step_index == 2)
+    status = fleet.tick(status, status.analysis.last_run + 5, healthy(spec))
+    assert status.step_index == 2 or status.phase == "Promoted"
+    results = {(r.role, r.name): r.verdict for r in status.analysis.results}
+    # canary against stable: error-rate-delta, and the latency ratios
+    for key in (("gate", "error-rate-delta"), ("gate", "tpot-p99"), ("breaker", "ttft-p99"), ("breaker", "tpot-p99")):
+        assert results[key] == "Skipped", key
+    assert results[("breaker", "error-rate")] == "Successful" and results[("breaker", "cpu")] == "Successful"
 
 
 def test_analysis_waits_an_interval_after_the_first_canary(spec):

@@ -1,46 +1,155 @@
-"""The spec model: defaults, and errors that name the field."""
+"""The spec model: defaults, breakers and gates, templates, and errors that name the field."""
+import copy
+
 import pytest
 
 from graft.rollout.durations import format_duration, parse_duration, promql_duration
 from graft.rollout.revision import has_patch, majority_stable, patches_of, revision_of, with_patch, without_patch
-from graft.rollout.spec import DEFAULT_METRICS, DEFAULT_STEPS, SpecError, parse_spec, with_defaults
+from graft.rollout.spec import (DEFAULT_BREAKERS, DEFAULT_GATES, DEFAULT_STEPS, PrometheusSource, SpecError,
+                                parse_spec, template_refs, with_defaults)
 
 MINIMAL = {"selector": {"matchLabels": {"app": "llm-engine"}},
            "patch": {"name": "kv-align", "version": "3.2.1"}}
 
 
-def errors_of(spec) -> dict[str, str]:
+def errors_of(spec, templates=None) -> dict[str, str]:
     with pytest.raises(SpecError) as info:
-        parse_spec(spec)
+        parse_spec(spec, templates)
     return {e.path: e.message for e in info.value.errors}
+
+
+def analysis(**fields):
+    return parse_spec({**MINIMAL, "analysis": fields}).analysis
+
+
+def by_key(a) -> dict:
+    return {c.key: c for c in a.checks}
 
 
 def test_minimal_spec_gets_the_documented_defaults():
     s = parse_spec(MINIMAL)
     assert [(st.weight, st.pause) for st in s.steps] == [(1, 300), (5, 600), (20, 600), (50, 600), (100, 0)]
     assert s.traffic_routing.kind == "podRatio" and s.patch.source.builtin
-    assert s.analysis.interval == 30 and s.analysis.no_data == "hold" and s.analysis.min_requests == 20
-    assert s.analysis.prometheus == "http://prometheus.monitoring:9090"
+    a = s.analysis
+    assert (a.interval, a.no_data, a.confidence, a.rollback_confidence) == (30, "hold", 0.95, 0.999)
+    assert (a.inconclusive_limit, a.error_limit, a.templates) == (20, 4, ())
+    # no address: the operator's GRAFT_PROMETHEUS_ADDRESS is used
+    assert a.prometheus == PrometheusSource(address="", bearer_token_secret=None, ca_secret=None, headers=())
     assert s.progress_deadline == 1800 and s.paused is False
-    m = {c.name: c for c in s.analysis.metrics}
-    assert (m["error-rate"].max, m["error-rate"].window, m["error-rate"].consecutive) == (0.005, 60, 3)
-    assert (m["latency-p99"].max, m["latency-p99"].window) == (0.8, 30)
-    assert (m["cpu"].max, m["cpu"].window) == (0.92, 120)
-    assert (m["success-rate"].min, m["success-rate"].max, m["success-rate"].window) == (0.9995, None, 60)
-    assert (m["error-rate-delta"].max, m["error-rate-delta"].window) == (0.001, 60)
-    assert m["error-rate-delta"].comparison and not m["error-rate"].comparison
+    # the documented default analysis (docs/analysis.md): absolute error limits, latency against stable
+    got = {(c.role, c.name): (c.metric, c.max, c.min, c.max_ratio, c.window, c.consecutive) for c in a.checks}
+    assert got == {
+        ("breaker", "error-rate"): ("error-rate", 0.005, None, None, 60, 3),
+        ("breaker", "ttft-p99"): ("ttft-p99", None, None, 1.5, 30, 3),
+        ("breaker", "tpot-p99"): ("tpot-p99", None, None, 1.3, 30, 3),
+        ("breaker", "cpu"): ("cpu", 0.92, None, None, 120, 3),
+        ("gate", "error-rate-delta"): ("error-rate-delta", 0.001, None, None, None, 1),
+        ("gate", "tpot-p99"): ("tpot-p99", None, None, 1.2, 60, 1),
+    }
+    assert [c.key for c in a.breakers] == ["breaker/error-rate", "breaker/ttft-p99", "breaker/tpot-p99", "breaker/cpu"]
+    assert [c.key for c in a.gates] == ["gate/error-rate-delta", "gate/tpot-p99"]
+    delta = by_key(a)["gate/error-rate-delta"]
+    assert delta.window_text == "step" and delta.kind == "difference" and delta.comparison
+    assert not by_key(a)["breaker/error-rate"].comparison and by_key(a)["breaker/ttft-p99"].comparison
 
 
-def test_builtin_metric_named_alone_takes_its_builtin_threshold_and_window():
-    s = parse_spec({**MINIMAL, "analysis": {"metrics": [{"name": "latency-p99"}, {"name": "error-rate", "max": 0.01}]}})
-    lat, err = s.analysis.metrics
-    assert (lat.max, lat.window) == (0.8, 30)
-    assert (err.max, err.window, err.consecutive) == (0.01, 60, 3)
+def test_builtin_check_takes_its_kind_and_window_from_its_name():
+    a = analysis(breakers=[{"name": "latency-p99", "max": 0.8}, {"name": "error-rate", "max": 0.01}],
+                 gates=[{"name": "success-rate", "min": 0.999}, {"name": "error-rate-delta", "max": 0.002}])
+    lat, err = a.breakers
+    assert (lat.metric, lat.kind, lat.max, lat.window, lat.window_text) == ("latency-p99", "quantile", 0.8, 60, "60s")
+    assert (err.kind, err.max, err.window, err.consecutive) == ("rate", 0.01, 60, 1)
+    ok, delta = a.gates
+    assert (ok.kind, ok.min, ok.max, ok.threshold) == ("rate", 0.999, None, ">= 0.999")
+    assert (delta.kind, delta.window) == ("difference", None), "error-rate-delta looks at the whole step"
 
 
-def test_giving_min_replaces_a_builtin_max():
-    (check,) = parse_spec({**MINIMAL, "analysis": {"metrics": [{"name": "cpu", "min": 0.1}]}}).analysis.metrics
-    assert (check.min, check.max, check.threshold) == (0.1, None, ">= 0.1")
+def test_a_check_may_name_its_metric_and_window_step():
+    a = analysis(breakers=[{"name": "ttft-slo", "metric": "ttft-p99", "max": 0.5, "window": "2m"},
+                           {"name": "errors-so-far", "metric": "error-rate", "max": 0.01, "window": "step"}])
+    slo, so_far = a.breakers
+    assert (slo.name, slo.metric, slo.kind, slo.max, slo.window) == ("ttft-slo", "ttft-p99", "quantile", 0.5, 120)
+    assert (so_far.metric, so_far.window, so_far.window_text) == ("error-rate", None, "step")
+
+
+def test_a_breaker_and_a_gate_may_share_a_name():
+    a = analysis(breakers=[{"name": "tpot-p99", "maxRatio": 1.5, "consecutive": 2}],
+                 gates=[{"name": "tpot-p99", "maxRatio": 1.1}])
+    assert [(c.key, c.max_ratio, c.consecutive) for c in a.checks] == [
+        ("breaker/tpot-p99", 1.5, 2), ("gate/tpot-p99", 1.1, 1)]
+
+
+def test_naming_any_check_replaces_the_whole_default_analysis():
+    only_gates = analysis(gates=[{"name": "error-rate-delta", "max": 0.01}])
+    assert only_gates.breakers == () and [c.key for c in only_gates.gates] == ["gate/error-rate-delta"]
+    only_breakers = analysis(breakers=[{"name": "cpu", "max": 0.5}])
+    assert only_breakers.gates == () and [c.key for c in only_breakers.breakers] == ["breaker/cpu"]
+
+
+def test_custom_query_check():
+    a = analysis(breakers=[{"name": "kv-fragmentation", "max": 0.25, "consecutive": 2, "window": "5m",
+                            "query": 'max(x{namespace="{{namespace}}"})'}],
+                 gates=[{"name": "itl-ratio", "max": 1.05, "minSamples": 500,
+                         "query": 'a{r="{{canaryRevision}}"} / a{r="{{stableRevision}}"}'}])
+    frag, ratio = a.checks
+    assert (frag.metric, frag.kind, frag.window, frag.consecutive, frag.comparison) == ("custom", "custom", 300, 2, False)
+    assert (ratio.min_samples, ratio.comparison) == (500, True), "a query naming stableRevision compares"
+    (own,) = analysis(breakers=[{"name": "error-rate", "max": 0.01, "query": "sum(up)"}]).breakers
+    assert (own.metric, own.query) == ("custom", "sum(up)"), "a query makes even a built-in name custom"
+
+
+def test_prometheus_source_with_credentials():
+    a = analysis(prometheus={"address": "https://prom.example:9090",
+                             "bearerTokenSecret": {"name": "prom-token", "key": "token"},
+                             "caSecret": {"name": "prom-ca", "key": "ca.crt"},
+                             "headers": [{"name": "X-Scope-OrgID", "value": "llm"}]})
+    assert a.prometheus == PrometheusSource("https://prom.example:9090", ("prom-token", "token"),
+                                            ("prom-ca", "ca.crt"), (("X-Scope-OrgID", "llm"),))
+
+
+TEMPLATE = {
+    "args": [{"name": "job", "value": "engine"}, {"name": "tenant"}],
+    "breakers": [{"name": "error-rate", "max": 0.01, "window": "30s", "consecutive": 2},
+                 {"name": "kv", "max": 0.25, "query": 'max(x{job="{{args.job}}",t="{{args.tenant}}"})'}],
+    "gates": [{"name": "error-rate-delta", "max": 0.002}],
+}
+
+
+def test_template_checks_come_first_and_the_rollouts_own_replace_them_by_name_and_role():
+    s = parse_spec({**MINIMAL, "analysis": {
+        "templates": [{"name": "fleet-checks", "clusterScope": True}],
+        "args": [{"name": "tenant", "value": "acme"}],
+        "breakers": [{"name": "error-rate", "max": 0.02}],
+        "gates": [{"name": "success-rate", "min": 0.99}]}}, {("fleet-checks", True): TEMPLATE})
+    a = s.analysis
+    assert [c.key for c in a.checks] == ["breaker/kv", "breaker/error-rate", "gate/error-rate-delta",
+                                         "gate/success-rate"]
+    kv, err = a.breakers
+    assert kv.query == 'max(x{job="engine",t="acme"})', "a template's default and the rollout's value fill args"
+    assert (err.max, err.window, err.consecutive) == (0.02, 60, 1), "replaced whole, not merged"
+    assert a.gates[0].max == 0.002 and a.templates == (("fleet-checks", True),)
+
+
+def test_a_template_alone_brings_no_default_checks():
+    s = parse_spec({**MINIMAL, "analysis": {"templates": [{"name": "t"}], "args": [{"name": "tenant", "value": "x"}]}},
+                   {("t", False): TEMPLATE})
+    assert [c.key for c in s.analysis.checks] == ["breaker/error-rate", "breaker/kv", "gate/error-rate-delta"]
+
+
+def test_template_problems_name_the_template_and_the_field():
+    refs = {"analysis": {"templates": [{"name": "t"}]}}
+    assert "not found" in errors_of({**MINIMAL, **refs})["spec.analysis.templates"]
+    errors = errors_of({**MINIMAL, **refs}, {("t", False): TEMPLATE})
+    assert "argument 'tenant' has no value" in errors["PatchAnalysisTemplate t: spec.breakers[1].query"]
+    cluster = {"analysis": {"templates": [{"name": "t", "clusterScope": True}]}}
+    assert "cluster analysis template 't' was not found" in errors_of({**MINIMAL, **cluster},
+                                                                      {("t", False): TEMPLATE})["spec.analysis.templates"]
+
+
+def test_template_refs_are_read_from_any_spec():
+    assert template_refs({"analysis": {"templates": [{"name": "a"}, {"name": "b", "clusterScope": True}]}}) == [
+        ("a", False), ("b", True)]
+    assert template_refs({}) == [] and template_refs({"analysis": {"templates": "x"}}) == []
 
 
 def test_config_map_source_with_digest():
@@ -56,6 +165,14 @@ def test_gateway_routing_fields():
         "httpRoute": "llm", "stableService": "llm-stable", "canaryService": "llm-canary"}}})
     assert (s.traffic_routing.kind, s.traffic_routing.http_route, s.traffic_routing.canary_service) == (
         "gatewayAPI", "llm", "llm-canary")
+
+
+def br(**check):
+    return {"analysis": {"breakers": [check]}}
+
+
+def gt(**check):
+    return {"analysis": {"gates": [check]}}
 
 
 @pytest.mark.parametrize("change,path,words", [
@@ -87,20 +204,45 @@ def test_gateway_routing_fields():
     ({"trafficRouting": {"gatewayAPI": {"httpRoute": "r", "stableService": "s", "canaryService": "s"}}},
      "spec.trafficRouting.gatewayAPI.canaryService", "differ"),
     ({"analysis": {"noData": "maybe"}}, "spec.analysis.noData", "hold, fail, pass"),
-    ({"analysis": {"minRequests": -1}}, "spec.analysis.minRequests", "at least 0"),
-    ({"analysis": {"interval": "10ms"}}, "spec.analysis.interval", "at least 100ms"),
+    # the old model's fields are refused by name, not silently ignored
+    ({"analysis": {"minRequests": 20}}, "spec.analysis.minRequests", "unknown field"),
+    ({"analysis": {"metrics": [{"name": "cpu", "max": 0.9}]}}, "spec.analysis.metrics", "unknown field"),
+    ({"analysis": {"interval": "500ms"}}, "spec.analysis.interval", "at least 1s"),
+    ({"analysis": {"confidence": 0.3}}, "spec.analysis.confidence", "at least 0.5"),
+    ({"analysis": {"rollbackConfidence": 1}}, "spec.analysis.rollbackConfidence", "0.9999"),
+    ({"analysis": {"errorLimit": -1}}, "spec.analysis.errorLimit", "between 0 and 1000"),
+    ({"analysis": {"inconclusiveLimit": 1001}}, "spec.analysis.inconclusiveLimit", "between 0 and 1000"),
+    ({"analysis": {"breakers": [], "gates": []}}, "spec.analysis", "at least one breaker or gate"),
     ({"analysis": {"prometheus": {"address": "prometheus:9090"}}}, "spec.analysis.prometheus.address",
      "does not match"),
-    ({"analysis": {"metrics": [{"name": "gpu-temp", "max": 80}]}}, "spec.analysis.metrics[0].query", "not a built-in"),
-    ({"analysis": {"metrics": [{"name": "q", "query": "up{x='{{pod}}'}", "max": 1}]}},
-     "spec.analysis.metrics[0].query", "unknown template variable"),
-    ({"analysis": {"metrics": [{"name": "q", "query": "up"}]}}, "spec.analysis.metrics[0]", "needs a threshold"),
-    ({"analysis": {"metrics": [{"name": "cpu", "min": 2, "max": 1}]}}, "spec.analysis.metrics[0].min", "exceed"),
-    ({"analysis": {"metrics": [{"name": "cpu", "consecutive": 0}]}}, "spec.analysis.metrics[0].consecutive",
-     "at least 1"),
-    ({"analysis": {"metrics": [{"name": "cpu", "max": "high"}]}}, "spec.analysis.metrics[0].max", "finite number"),
-    ({"analysis": {"metrics": [{"name": "cpu"}, {"name": "cpu"}]}}, "spec.analysis.metrics[1].name", "duplicate"),
-    ({"analysis": {"metrics": [{"name": "cpu", "window": "0s"}]}}, "spec.analysis.metrics[0].window", "longer"),
+    ({"analysis": {"prometheus": {"bearerTokenSecret": {"name": "t"}}}},
+     "spec.analysis.prometheus.bearerTokenSecret.key", "required"),
+    (br(name="gpu-temp", max=80), "spec.analysis.breakers[0].query", "not a built-in"),
+    (br(name="q", metric="gpu-temp", max=80), "spec.analysis.breakers[0].metric", "not a built-in metric"),
+    (br(name="q", query="up{x='{{pod}}'}", max=1), "spec.analysis.breakers[0].query", "unknown template variable"),
+    (br(name="q", query="up"), "spec.analysis.breakers[0]", "needs a threshold"),
+    (br(name="latency-p99"), "spec.analysis.breakers[0]", "needs a threshold"),
+    (br(name="errors", metric="error-rate", max=0.01, query="up"), "spec.analysis.breakers[0].query", "takes no query"),
+    (br(name="cpu", min=0.9, max=0.5), "spec.analysis.breakers[0].min", "exceed"),
+    (br(name="cpu", max=0.9, consecutive=0), "spec.analysis.breakers[0].consecutive", "between 1 and 100"),
+    (br(name="cpu", max="high"), "spec.analysis.breakers[0].max", "finite number"),
+    (br(name="error-rate", max=5), "spec.analysis.breakers[0]", "between 0 and 1"),
+    (br(name="error-rate", min=0.1), "spec.analysis.breakers[0].min", "error-rate takes max"),
+    (br(name="success-rate", max=0.1), "spec.analysis.breakers[0].max", "success-rate takes min"),
+    (br(name="cpu", maxRatio=1.2), "spec.analysis.breakers[0].maxRatio", "only latency quantiles"),
+    (br(name="tpot-p99", maxRatio=0), "spec.analysis.breakers[0].maxRatio", "greater than 0"),
+    (br(name="error-rate-delta", min=0.001), "spec.analysis.breakers[0].max", "required"),
+    (br(name="cpu", max=0.9, window="0s"), "spec.analysis.breakers[0].window", "at least 1s"),
+    (br(name="cpu", max=0.9, window="step"), "spec.analysis.breakers[0].window", "does not match"),
+    (br(name="cpu", max=0.9, minSamples=0), "spec.analysis.breakers[0].minSamples", "between 1 and"),
+    (br(name="cpu", max=0.9, dryRun="no"), "spec.analysis.breakers[0].dryRun", "true or false"),
+    (br(name="cpu", max=0.9, threshold=1), "spec.analysis.breakers[0].threshold", "unknown field"),
+    (gt(name="error-rate-delta", max=0.001, consecutive=2), "spec.analysis.gates[0].consecutive",
+     "gates take no consecutive"),
+    ({"analysis": {"breakers": [{"name": "cpu", "max": 0.9}, {"name": "cpu", "max": 0.5}]}},
+     "spec.analysis.breakers[1].name", "duplicate breaker"),
+    ({"analysis": {"args": [{"name": "1x", "value": "v"}]}}, "spec.analysis.args[0].name", "does not match"),
+    ({"analysis": {"templates": [{"name": "Bad_Name"}]}}, "spec.analysis.templates[0].name", "does not match"),
     ({"stepz": []}, "spec.stepz", "unknown field"),
 ])
 def test_bad_field_is_named(change, path, words):
@@ -111,8 +253,10 @@ def test_bad_field_is_named(change, path, words):
 
 def test_every_bad_field_is_reported_at_once():
     errors = errors_of({"selector": {"matchLabels": {"a": "b"}}, "patch": {"name": "X"},
-                        "steps": [{"weight": 500}], "analysis": {"noData": "x"}})
-    assert {"spec.patch.name", "spec.patch.version", "spec.steps[0].weight", "spec.analysis.noData"} <= set(errors)
+                        "steps": [{"weight": 500}], "analysis": {"noData": "x", "gates": [
+                            {"name": "error-rate-delta", "max": 0.001, "consecutive": 3}]}})
+    assert {"spec.patch.name", "spec.patch.version", "spec.steps[0].weight", "spec.analysis.noData",
+            "spec.analysis.gates[0].consecutive"} <= set(errors)
 
 
 def test_selector_query_and_matching():
@@ -125,10 +269,14 @@ def test_selector_query_and_matching():
 
 
 def test_defaults_are_copied_not_shared():
+    before = copy.deepcopy((DEFAULT_STEPS, DEFAULT_BREAKERS, DEFAULT_GATES))
     filled = with_defaults(MINIMAL)
     filled["steps"][0]["weight"] = 99
-    filled["analysis"]["metrics"][0]["max"] = 1
-    assert DEFAULT_STEPS[0] == {"weight": 1, "pause": "5m"} and DEFAULT_METRICS[0]["max"] == 0.005
+    filled["analysis"]["interval"] = "1h"
+    assert "breakers" not in filled["analysis"], "the checks default in parse_spec, not in the stored spec"
+    parse_spec(MINIMAL).analysis.breakers[0]          # parsing hands out checks, never the lists
+    assert (DEFAULT_STEPS, DEFAULT_BREAKERS, DEFAULT_GATES) == before
+    assert with_defaults(MINIMAL)["analysis"]["interval"] == "30s"
 
 
 @pytest.mark.parametrize("text,seconds", [("30s", 30), ("5m", 300), ("1h30m", 5400), ("250ms", 0.25), ("1.5s", 1.5)])
