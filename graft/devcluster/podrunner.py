@@ -186,7 +186,7 @@ class PodRunner:
         argv = [*container.get("command", []), *container.get("args", [])]
         if not argv or Path(argv[0]).name != "graft":
             raise ValueError(f"pod {c.pod}: the dev cluster runs `graft ...` containers only, got {argv[:1]}")
-        cmd = [sys.executable, "-m", "graft.cli", *argv[1:], "--host", c.ip, *self.engine_args]
+        cmd = [sys.executable, "-m", "graft.cli", *argv[1:], *_serve_flags(argv, c.ip), *self.engine_args]
         c.log_path = self.workdir / f"{c.pod}.log"
         c.env_snapshot = env
         out = open(c.log_path, "ab")
@@ -252,6 +252,21 @@ class PodRunner:
             return
         await self.api.patch(self._ns("pods", c.pod) + "/status", json={"status": status},
                              headers={"content-type": "application/merge-patch+json"})
+
+
+def _serve_flags(argv: list[str], ip: str) -> list[str]:
+    """Where a pod's `graft serve` listens: its own IP for both ports, as in a cluster.
+
+    The admin API binds 127.0.0.1 by default; the operator reaches it at the pod IP. The dev
+    cluster's bundles are unsigned examples, so its engines run them on their digest alone unless
+    the pod names a trusted key.
+    """
+    flags = ["--host", ip]
+    if argv[1:2] == ["serve"]:
+        flags += ["--admin-host", ip]
+        if not any(a == "--trusted-key" or a.startswith("--trusted-key=") for a in argv):
+            flags.append("--allow-unsigned-bundles")
+    return flags
 
 
 def _field_ref(pod: dict, path: str) -> str:
