@@ -3,10 +3,15 @@
 Calls are bounded (at most `concurrency` in flight), timed out, and retried with exponential
 backoff while they do not reach the engine (connection errors, timeouts, 5xx); the engine's own
 refusals come back at once as `AdminError` with the kind the rollout acts on.
+
+Given a CA bundle (`ca_file`) the client speaks https and verifies each engine's certificate
+against it, for the name `tls_server_name` when given: the operator dials pod IPs, while a
+certificate usually names the Service the pods sit behind.
 """
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import Any
 
 import httpx
@@ -28,11 +33,15 @@ class AdminError(Exception):
 class AdminClient:
     def __init__(self, token: str | None = None, *, scheme: str = "http", timeout: float = 10.0,
                  concurrency: int = 16, retries: int = 2, backoff: float = 0.2,
+                 ca_file: str | None = None, tls_server_name: str | None = None,
                  transport: httpx.AsyncBaseTransport | None = None):
         self.token = token
-        self.scheme, self.retries, self.backoff = scheme, retries, backoff
+        self.scheme = "https" if ca_file else scheme
+        self.retries, self.backoff = retries, backoff
         self._limit = asyncio.Semaphore(concurrency)
-        self._client = httpx.AsyncClient(timeout=timeout, transport=transport)
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
+        self._extensions = {"sni_hostname": tls_server_name} if tls_server_name and self.scheme == "https" else {}
+        self._client = httpx.AsyncClient(timeout=timeout, transport=transport, verify=verify)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -67,7 +76,8 @@ class AdminClient:
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
             try:
                 async with self._limit:
-                    reply = await self._client.request(method, url, headers=headers, **kwargs)
+                    reply = await self._client.request(method, url, headers=headers, extensions=self._extensions,
+                                                       **kwargs)
             except httpx.TransportError as e:
                 why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 continue

@@ -35,7 +35,8 @@ class Runtime:
         self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._admin = AdminClient(settings.admin_token, scheme=settings.admin_scheme,
                                   timeout=settings.admin_timeout, concurrency=settings.admin_concurrency,
-                                  retries=settings.admin_retries)
+                                  retries=settings.admin_retries, ca_file=settings.admin_ca_file,
+                                  tls_server_name=settings.admin_tls_server_name)
         self._token_read_at = float("-inf")
         self._providers: dict[tuple, PrometheusProvider] = {}
         self.metrics = OperatorMetrics()

@@ -8,6 +8,9 @@ Kubernetes login, chosen in this order:
 The engines' admin token: `GRAFT_ADMIN_TOKEN` itself, or the Secret named by
 `GRAFT_ADMIN_TOKEN_SECRET` (`namespace/name`) under the key `GRAFT_ADMIN_TOKEN_SECRET_KEY`
 (default `token`), read through the API and re-read every `GRAFT_ADMIN_TOKEN_TTL` seconds.
+With `GRAFT_ADMIN_CA_FILE` (a PEM CA bundle) the admin API is called over https and the engines'
+certificate verified, for the name `GRAFT_ADMIN_TLS_SERVER_NAME` when set (a pod's certificate
+usually names its Service, not its IP).
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ class OperatorSettings:
     admin_token_ttl: float = 60.0
     admin_port: int = 8081                 # when a pod names no admin port
     admin_scheme: str = "http"
+    admin_ca_file: str | None = None       # PEM CA bundle: the admin API is called over verified https
+    admin_tls_server_name: str | None = None  # the name the engines' certificate must carry
     admin_timeout: float = 10.0            # seconds per admin API call (a patch can drain the engine)
     admin_concurrency: int = 16            # admin API calls in flight at once
     admin_retries: int = 2                 # retries of a call that did not reach the engine
@@ -44,6 +49,8 @@ class OperatorSettings:
             raise ValueError(f"GRAFT_ADMIN_TOKEN_SECRET must be namespace/name, got {self.admin_token_secret!r}")
         if self.admin_scheme not in ("http", "https"):
             raise ValueError("admin_scheme must be http or https")
+        if self.admin_ca_file and self.admin_scheme != "https":
+            raise ValueError("GRAFT_ADMIN_CA_FILE is for https: leave GRAFT_ADMIN_SCHEME unset or set it to https")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorSettings":
@@ -67,7 +74,9 @@ class OperatorSettings:
             admin_token_key=env.get("GRAFT_ADMIN_TOKEN_SECRET_KEY") or "token",
             admin_token_ttl=number("GRAFT_ADMIN_TOKEN_TTL", 60.0),
             admin_port=int(number("GRAFT_ADMIN_PORT", 8081)),
-            admin_scheme=env.get("GRAFT_ADMIN_SCHEME") or "http",
+            admin_scheme=env.get("GRAFT_ADMIN_SCHEME") or ("https" if env.get("GRAFT_ADMIN_CA_FILE") else "http"),
+            admin_ca_file=env.get("GRAFT_ADMIN_CA_FILE") or None,
+            admin_tls_server_name=env.get("GRAFT_ADMIN_TLS_SERVER_NAME") or None,
             admin_timeout=number("GRAFT_ADMIN_TIMEOUT", 10.0),
             admin_concurrency=int(number("GRAFT_ADMIN_CONCURRENCY", 16)),
             admin_retries=int(number("GRAFT_ADMIN_RETRIES", 2)),

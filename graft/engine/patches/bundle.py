@@ -67,18 +67,23 @@ def sign(name: str, version: str, digest: str, private_pem: bytes) -> str:
     return base64.b64encode(key.sign(signed_message(name, version, digest))).decode()
 
 
+def _exclusive(keys: list, allow_unsigned: bool) -> None:
+    if keys and allow_unsigned:
+        raise ValueError("--allow-unsigned-bundles and --trusted-key exclude each other: "
+                         "an engine that trusts keys requires every bundle to be signed")
+
+
 @dataclass(slots=True)
 class BundleVerifier:
     trusted_keys: list              # Ed25519PublicKey objects
     allow_unsigned: bool = False    # development only: the pinned digest is the whole check
 
     def __post_init__(self) -> None:
-        if self.trusted_keys and self.allow_unsigned:
-            raise ValueError("--allow-unsigned-bundles and --trusted-key exclude each other: "
-                             "an engine that trusts keys requires every bundle to be signed")
+        _exclusive(self.trusted_keys, self.allow_unsigned)
 
     @classmethod
     def from_files(cls, paths: list[str], allow_unsigned: bool = False) -> "BundleVerifier":
+        _exclusive(paths, allow_unsigned)
         return cls([load_public_key(Path(p).read_bytes()) for p in paths], allow_unsigned)
 
     def verify(self, source: str, digest: Any, signature: Any, *, name: str, version: str) -> str:

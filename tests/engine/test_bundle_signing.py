@@ -1,0 +1,121 @@
+"""Signed bundles end to end: `graft patch keygen` and `pack --configmap` on one side, an engine
+started with `--trusted-key` on the other. A signature is for one name, one version, one source."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import httpx
+import pytest
+import yaml
+
+from tests.support import ROOT, start_engine
+
+pytestmark = pytest.mark.slow
+
+BUNDLE = textwrap.dedent("""
+    from graft.engine import attention
+    from graft.engine.patches.base import Patch
+
+    def patches():
+        return [Patch(name, version, {"kv.gather": attention.gather_aligned})
+                for name, version in (("alpha", "1.0.0"), ("alpha", "2.0.0"), ("beta", "1.0.0"))]
+""")
+SINGLE = textwrap.dedent("""
+    from graft.engine import attention
+    from graft.engine.patches.base import Patch
+
+    def patches():
+        return [Patch("solo", "0.1.0", {"kv.gather": attention.gather_aligned})]
+""")
+
+
+def graft(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "graft.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("signing")
+    for who in ("release", "stranger"):
+        assert graft("patch", "keygen", who, cwd=d).returncode == 0
+    (d / "bundle.py").write_text(BUNDLE)
+    (d / "single.py").write_text(SINGLE)
+    return d
+
+
+def configmap(work, module: str, *args: str) -> dict:
+    r = graft("patch", "pack", module, *args, "--configmap", "my-bundle", "--namespace", "llm", cwd=work)
+    assert r.returncode == 0, r.stderr
+    return yaml.safe_load(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, work):
+    eng = start_engine(tmp_path_factory.mktemp("signed"), "--trusted-key", str(work / "release.pub"))
+    yield eng
+    eng.stop()
+
+
+def apply(eng, cm: dict, name: str, version: str, signature: str | None = "from-configmap") -> httpx.Response:
+    source = {"module": cm["data"]["bundle.py"], "digest": cm["metadata"]["annotations"]["graft.dev/digest"]}
+    if signature == "from-configmap":
+        signature = cm["data"].get("bundle.py.sig")
+    if signature:
+        source["signature"] = signature
+    with eng.admin() as admin:
+        return admin.post("/admin/patches", json={"name": name, "version": version, "source": source})
+
+
+def test_pack_signs_the_named_patch_and_names_it_in_the_configmap(work):
+    cm = configmap(work, "bundle.py", "--key", "release.key", "--name", "alpha", "--version", "1.0.0")
+    assert cm["kind"] == "ConfigMap" and cm["metadata"]["namespace"] == "llm"
+    assert cm["metadata"]["annotations"]["graft.dev/signed-for"] == "alpha@1.0.0"
+    assert cm["data"]["bundle.py"] == BUNDLE and cm["data"]["bundle.py.sig"]
+
+
+def test_pack_finds_a_single_patch_bundle_s_name_itself_and_asks_otherwise(work):
+    cm = configmap(work, "single.py", "--key", "release.key")
+    assert cm["metadata"]["annotations"]["graft.dev/signed-for"] == "solo@0.1.0"
+    r = graft("patch", "pack", "bundle.py", "--key", "release.key", cwd=work)
+    assert r.returncode != 0
+    assert "alpha@1.0.0, alpha@2.0.0, beta@1.0.0" in r.stderr and "--name" in r.stderr
+
+
+def test_a_trusted_engine_applies_the_signed_patch(engine, work):
+    cm = configmap(work, "bundle.py", "--key", "release.key", "--name", "alpha", "--version", "1.0.0")
+    r = apply(engine, cm, "alpha", "1.0.0")
+    assert r.status_code == 200 and r.json()["revision"] == "alpha@1.0.0", r.text
+    with engine.admin() as admin:
+        assert admin.delete("/admin/patches/alpha").json()["revision"] == "base"
+
+
+@pytest.mark.parametrize("name,version,key,signature", [
+    ("beta", "1.0.0", "release.key", "from-configmap"),      # renamed
+    ("alpha", "2.0.0", "release.key", "from-configmap"),     # re-versioned
+    ("alpha", "1.0.0", "release.key", None),                 # unsigned
+    ("alpha", "1.0.0", "stranger.key", "from-configmap"),    # signed by a key the engine does not trust
+])
+def test_a_trusted_engine_refuses_what_the_signature_does_not_cover(engine, work, name, version, key, signature):
+    cm = configmap(work, "bundle.py", "--key", key, "--name", "alpha", "--version", "1.0.0")
+    r = apply(engine, cm, name, version, signature)
+    assert r.status_code == 403, r.text
+    assert "signature" in r.json()["error"]["message"]
+    with engine.admin() as admin:
+        assert admin.get("/admin/patches").json()["revision"] == "base"
+
+
+def test_verify_checks_name_version_and_key_like_the_engine(work):
+    cm = configmap(work, "bundle.py", "--key", "release.key", "--name", "alpha", "--version", "1.0.0")
+    digest, sig = cm["metadata"]["annotations"]["graft.dev/digest"], cm["data"]["bundle.py.sig"]
+
+    def verify(name: str, version: str, key: str = "release.pub", *extra: str) -> subprocess.CompletedProcess:
+        return graft("patch", "verify", "bundle.py", "--digest", digest, "--name", name, "--version", version,
+                     "--signature", sig, "--trusted-key", key, *extra, cwd=work)
+
+    assert verify("alpha", "1.0.0").stdout.strip() == "ok"
+    for refused in (verify("beta", "1.0.0"), verify("alpha", "2.0.0"), verify("alpha", "1.0.0", "stranger.pub")):
+        assert refused.returncode == 1 and "signature" in refused.stderr
