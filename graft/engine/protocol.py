@@ -9,6 +9,7 @@ false, empty) are accepted because clients send them by default.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -32,6 +33,7 @@ def _utf8(value: str) -> str:
 
 
 Text = Annotated[StrictStr, AfterValidator(_utf8)]
+StopText = Annotated[Text, Field(min_length=1)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
@@ -45,8 +47,10 @@ def _unsupported(*neutral: Any) -> AfterValidator:
 
 
 def _unsupported_field(*neutral: Any) -> Any:
-    allowed = ", ".join(["null", *(repr(n).lower() if isinstance(n, bool) else repr(n) for n in neutral)])
-    return Field(default=None, description=f"Not supported: only {allowed} is accepted.")
+    allowed = " or ".join(["null", *(json.dumps(n) for n in neutral)])
+    return Field(default=None, json_schema_extra={
+        "description": f"Not supported by this server: only {allowed} is accepted.",
+        "anyOf": [{"type": "null"}, {"enum": list(neutral)}]})
 
 
 class StreamOptions(BaseModel):
@@ -65,7 +69,7 @@ class _Request(BaseModel):
     n: StrictInt = Field(default=1, ge=1, le=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: Text | list[Text] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     user: Text | None = None
     priority: StrictInt = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
@@ -83,12 +87,7 @@ class _Request(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return stops
+        return [v] if isinstance(v, str) else list(v or [])
 
     @field_validator("stream_options")
     @classmethod
