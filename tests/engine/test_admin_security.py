@@ -119,7 +119,8 @@ def test_a_verified_bundle_applies_and_a_conflicting_one_is_409(engine, keys, tm
     marker = tmp_path / "ran"
     source = bundle(marker)
     body = {"name": "kv-align", "version": "9.9.9",
-            "source": {"module": source, "digest": digest_of(source), "signature": signed(source, keys / "trusted.key")}}
+            "source": {"module": source, "digest": digest_of(source),
+                       "signature": signed(source, keys / "trusted.key")}}
     r = post(engine, body)
     assert r.status_code == 200, r.text
     assert marker.read_text() == "imported"
