@@ -84,7 +84,7 @@ def test_short_request_is_not_stalled_by_a_long_prefill(engine):
                 if line.startswith("data: ") and '"text"' in line:
                     ttft.setdefault(name, time.monotonic() - t0)
                     ttft.setdefault(name + "_at", time.monotonic())
-                if '"usage"' in line:
+                if line.startswith("data: {") and json.loads(line[6:]).get("usage"):
                     ttft[name + "_tokens"] = json.loads(line[6:])["usage"]["prompt_tokens"]
 
     threads = [threading.Thread(target=stream, args=("long", long_prompt, 0.0)),
