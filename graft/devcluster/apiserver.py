@@ -19,18 +19,27 @@ kopf and kubectl talk to it as to a real cluster. What it does the way kube-apis
 - label selectors (``=``, ``!=``, ``in``, ``notin``, ``key``, ``!key``) and field selectors on
   lists and watches;
 - custom resources pruned, defaulted and validated against the CRD's ``openAPIV3Schema`` on
-  create, replace and patch (see :mod:`graft.devcluster.crd`), refused with 422 ``Invalid`` and
-  the field path; ``fieldValidation=Strict`` refuses unknown fields;
+  create, replace and patch (see :mod:`graft.devcluster.crd`): patterns matched as Go's RE2,
+  ``x-kubernetes-list-type`` map keys and set values kept unique, CEL rules
+  (``x-kubernetes-validations``, :mod:`graft.devcluster.cel`) evaluated, transition rules against
+  the old object, ``/status`` writes included; refused with 422 ``Invalid`` and the field paths.
+  A CRD whose rules do not compile is itself refused. ``fieldValidation=Strict`` refuses unknown
+  fields;
 - the status subresource isolated, for every kind that has one: a write to the main resource
   keeps the stored ``status``, a write to ``/status`` changes nothing but ``status``. No kubelet
-  runs here: whoever plays one writes a pod's ``status`` (its IP, its phase) through ``/status``.
+  runs here: whoever plays one writes a pod's ``status`` (its IP, its phase) through ``/status``;
+- server-side tables for ``kubectl get`` (a CRD's printer columns, the built-in columns of pods,
+  services, deployments, ..., see :mod:`graft.devcluster.tables`), for lists, gets and watches;
+- OpenAPI v3 (``/openapi/v3``, see :mod:`graft.devcluster.openapi`), so ``kubectl apply``
+  validates as against a cluster (unknown fields of custom resources refused by the server) and
+  ``kubectl explain`` works.
 
-What it does not do: authentication and RBAC (everyone may do everything), CEL validation rules,
-admission webhooks, version conversion, strategic merge of lists (a strategic patch is applied as
-a merge patch), server-side apply, OpenAPI (so ``kubectl apply`` needs ``--validate=false``),
-protobuf bodies (415: kubectl's imperative ``create namespace/configmap/...`` send protobuf, so
-use ``kubectl apply -f``), controllers (nothing creates pods from a Deployment), ``kubectl get``
-tables (kubectl prints its own default columns).
+What it does not do: authentication and RBAC (everyone may do everything), admission webhooks,
+version conversion, validation ratcheting, CEL cost limits, ``format`` checks, strategic merge of
+lists (a strategic patch is applied as a merge patch), server-side apply, OpenAPI v2, schema
+validation of built-in kinds (unknown fields of a Pod are kept), protobuf bodies (415: kubectl's
+imperative ``create namespace/configmap/...`` send protobuf, so use ``kubectl apply -f``),
+controllers (nothing creates pods from a Deployment).
 
 Run it in a test's event loop (``async with ApiServer(crd_paths=[...]) as api``) or as a process
 for kubectl in another terminal: ``python -m graft.devcluster.apiserver --port 6443 --crds crds/

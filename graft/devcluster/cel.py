@@ -45,9 +45,11 @@ def _is_sorted(items: celtypes.ListType) -> celtypes.BoolType:
 
 
 def _sum(items: celtypes.ListType) -> Any:
-    total: Any = celtypes.IntType(0)
-    for item in items:
-        total = item if total == 0 and not isinstance(item, celtypes.IntType) else total + item
+    if not items:
+        return celtypes.IntType(0)
+    total = items[0]
+    for item in items[1:]:
+        total = total + item
     return total
 
 
@@ -201,8 +203,9 @@ def _compile_rule(entry: Any, schema: dict[str, Any], path: str, errors: list[Fi
     text = entry["rule"]
     reason = entry.get("reason") or "FieldValueInvalid"
     if reason not in _REASONS:
-        errors.append(FieldError(f"{path}.reason", "FieldValueNotSupported", f"Unsupported value: {json.dumps(reason)}: "
-                                 f"supported values: {', '.join(json.dumps(r) for r in sorted(_REASONS))}"))
+        supported = ", ".join(json.dumps(r) for r in sorted(_REASONS))
+        errors.append(FieldError(f"{path}.reason", "FieldValueNotSupported",
+                                 f"Unsupported value: {json.dumps(reason)}: supported values: {supported}"))
         return None
     field_path = _parse_field_path(entry.get("fieldPath") or "", schema)
     if field_path is None:

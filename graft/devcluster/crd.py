@@ -47,8 +47,9 @@ _TYPE_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", 
 # Schema errors that make CEL rules meaningless: kube-apiserver then skips them and says so.
 _BLOCKING = ("FieldValueNotSupported", "FieldValueRequired", "FieldValueTooLong", "FieldValueTooMany",
              "FieldValueTypeInvalid")
-_RULES_SKIPPED = FieldError("<nil>", "FieldValueInvalid", 'Invalid value: "null": some validation rules were not '
-                            "checked because the object was invalid; correct the existing errors to complete validation")
+_RULES_SKIPPED = FieldError("<nil>", "FieldValueInvalid",
+                            'Invalid value: "null": some validation rules were not checked because the object '
+                            "was invalid; correct the existing errors to complete validation")
 
 
 @dataclass(slots=True)
@@ -186,8 +187,8 @@ def _schema_errors(schema: dict[str, Any], path: str) -> list[FieldError]:
                                      f"must be a valid regular expression, but isn't: {e}"))
     list_type = schema.get("x-kubernetes-list-type")
     if list_type is not None and list_type not in ("atomic", "set", "map"):
-        errors.append(FieldError(f"{path}.x-kubernetes-list-type", "FieldValueNotSupported",
-                                 f'Unsupported value: {json.dumps(list_type)}: supported values: "atomic", "set", "map"'))
+        errors.append(FieldError(f"{path}.x-kubernetes-list-type", "FieldValueNotSupported", f"Unsupported value: "
+                                 f'{json.dumps(list_type)}: supported values: "atomic", "set", "map"'))
     keys = schema.get("x-kubernetes-list-map-keys") or []
     if list_type == "map":
         known = (schema.get("items") or {}).get("properties") or {}
@@ -293,7 +294,8 @@ def _regex(pattern: str) -> Any:
     return re2.compile(pattern)
 
 
-def _pattern(validator: Any, pattern: str, instance: Any, schema: dict[str, Any]) -> Iterator[jsonschema.ValidationError]:
+def _pattern(validator: Any, pattern: str, instance: Any,
+             schema: dict[str, Any]) -> Iterator[jsonschema.ValidationError]:
     # kube-openapi's check is regexp.MatchString: a search, anchored only where the pattern says so.
     if isinstance(instance, str) and _regex(pattern).search(instance) is None:
         yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")

@@ -123,15 +123,18 @@ RULE_CASES = [
     ("step weights must strictly increase", "spec.steps",
      {"steps": [{"weight": 20}, {"weight": 50}, {"weight": 100}]},
      {"steps": [{"weight": 50}, {"weight": 20}, {"weight": 100}]}),
-    ("a metric that is not built in needs its query", "spec.analysis.metrics[0]",
-     {"analysis": {"metrics": [{"name": "ttft", "query": "up", "max": 1}]}},
-     {"analysis": {"metrics": [{"name": "ttft", "max": 1}]}}),
-    ("a custom metric needs a threshold: max, min or both", "spec.analysis.metrics[0]",
-     {"analysis": {"metrics": [{"name": "ttft", "query": "up", "min": 1}]}},
-     {"analysis": {"metrics": [{"name": "ttft", "query": "up"}]}}),
-    ("min must not exceed max", "spec.analysis.metrics[1]",
-     {"analysis": {"metrics": [{"name": "cpu"}, {"name": "latency-p99", "min": 0.5, "max": 1}]}},
-     {"analysis": {"metrics": [{"name": "cpu"}, {"name": "latency-p99", "min": 2, "max": 1}]}}),
+    ("a check that is not built in needs its query", "spec.analysis.breakers[0]",
+     {"analysis": {"breakers": [{"name": "ttft", "query": "up", "max": 1}]}},
+     {"analysis": {"breakers": [{"name": "ttft", "max": 1}]}}),
+    ("a check is either a built-in metric or a custom query, not both", "spec.analysis.gates[0]",
+     {"analysis": {"gates": [{"name": "busy", "metric": "cpu", "max": 0.9}]}},
+     {"analysis": {"gates": [{"name": "busy", "metric": "cpu", "query": "up", "max": 0.9}]}}),
+    ("a check needs a threshold: max, min or maxRatio", "spec.analysis.gates[0]",
+     {"analysis": {"gates": [{"name": "latency-p99", "maxRatio": 1.2}]}},
+     {"analysis": {"gates": [{"name": "latency-p99"}]}}),
+    ("min must not exceed max", "spec.analysis.breakers[1]",
+     {"analysis": {"breakers": [{"name": "cpu", "max": 1}, {"name": "ratio", "query": "up", "min": 0.5, "max": 1}]}},
+     {"analysis": {"breakers": [{"name": "cpu", "max": 1}, {"name": "ratio", "query": "up", "min": 2, "max": 1}]}}),
 ]
 # transition rules: (rule message, field, the change an update makes)
 TRANSITION_CASES = [
@@ -237,9 +240,10 @@ async def test_list_map_keys_and_set_values_may_not_repeat(http):
     assert status == 422 and causes(refused) == {("spec.tags[2]", 'Duplicate value: "x"')}
     assert (await call(http, "POST", GIZMOS, gizmo(tags=["x", "y"], ports=[{"name": "a"}, {"name": "b"}])))[0] == 201
 
-    status, refused = await call(http, "POST", ROLLOUTS, rollout(analysis={"metrics": [{"name": "cpu"}, {"name": "cpu"}]}))
+    twice = [{"name": "cpu", "max": 0.9}, {"name": "cpu", "max": 0.8}]
+    status, refused = await call(http, "POST", ROLLOUTS, rollout(analysis={"breakers": twice}))
     assert status == 422
-    assert ("spec.analysis.metrics[1]", 'Duplicate value: map[string]interface {}{"name":"cpu"}') in causes(refused)
+    assert causes(refused) == {("spec.analysis.breakers[1]", 'Duplicate value: map[string]interface {}{"name":"cpu"}')}
 
 
 @pytest.mark.parametrize("field, value, accepted", [
