@@ -2,19 +2,26 @@
 the engine actually provides."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from graft.engine.patches.bundle import BundleVerifier, digest_of, load_bundle
 from graft.engine.patches.registry import discover
-from graft.rollout.spec import parse_spec
+from graft.rollout.spec import parse_spec, template_refs
 from tests.deploy.manifests import (EXAMPLES, containers, crd_errors, env_of, load_file, of_kind, one,
                                     pod_template, selects, validation_errors)
 
 FILES = sorted(EXAMPLES.glob("*.yaml"))
 ROLLOUTS = [(path, obj) for path in FILES for obj in load_file(path) if obj["kind"] == "PatchRollout"]
 OTHERS = [(path, obj) for path in FILES for obj in load_file(path) if obj["kind"] != "PatchRollout"]
+TEMPLATE_KINDS = {"PatchAnalysisTemplate": False, "ClusterPatchAnalysisTemplate": True}
+# the analysis templates the examples define, by (name, cluster-scoped) as a rollout names them
+TEMPLATE_OBJECTS = {(obj["metadata"]["name"], TEMPLATE_KINDS[obj["kind"]]): obj
+                    for _, obj in OTHERS if obj["kind"] in TEMPLATE_KINDS}
+TEMPLATES = {ref: obj["spec"] for ref, obj in TEMPLATE_OBJECTS.items()}
 ENGINE_EXAMPLE = EXAMPLES / "engine-deployment.yaml"
 
 
@@ -25,17 +32,72 @@ def ids(pairs: list[tuple[Path, dict]]) -> list[str]:
 def test_examples_cover_every_way_to_roll_out():
     names = {path.name for path in FILES}
     assert {"engine-deployment.yaml", "rollout-builtin.yaml", "rollout-bundle.yaml", "rollout-gateway-api.yaml",
-            "rollout-custom-query.yaml", "rollout-dry-run.yaml", "rollout-fault-test.yaml"} <= names
+            "rollout-custom-query.yaml", "rollout-dry-run.yaml", "rollout-fault-test.yaml", "rollout-cpu-fleet.yaml",
+            "analysis-template-gpu.yaml", "rollout-with-template.yaml"} <= names
     patches = {obj["spec"]["patch"]["name"] for _, obj in ROLLOUTS}
     assert {"kv-align", "prefill-fusion", "sync-free", "fault"} <= patches
     assert len({obj["metadata"]["name"] for _, obj in ROLLOUTS}) == len(ROLLOUTS)
+
+
+def stored(obj: dict, crds) -> dict:
+    """The object as the API server stores it: pruned and defaulted by its CRD."""
+    version = crds[(obj["apiVersion"], obj["kind"])]
+    body = copy.deepcopy(obj)
+    version.prune(body)
+    version.default(body)
+    return body
 
 
 @pytest.mark.parametrize("path, rollout", ROLLOUTS, ids=ids(ROLLOUTS))
 def test_patchrollout_example_is_accepted_by_the_crd_and_the_operator(crds, path, rollout):
     version = crds[(rollout["apiVersion"], rollout["kind"])]
     assert crd_errors(rollout, version) == []
-    parse_spec(rollout["spec"])
+    # what the operator reads back: the stored rollout and the stored templates it names
+    templates = {ref: stored(TEMPLATE_OBJECTS[ref], crds)["spec"]
+                 for ref in template_refs(rollout["spec"]) if ref in TEMPLATE_OBJECTS}
+    spec = parse_spec(stored(rollout, crds)["spec"], templates)
+    assert spec == parse_spec(rollout["spec"], TEMPLATES), "the stored object means what the file says"
+    # the examples ask the operator's Prometheus (GRAFT_PROMETHEUS_ADDRESS, the chart's prometheus.address)
+    assert spec.analysis.prometheus.address == "", path.name
+
+
+def test_every_example_rollout_says_how_it_is_judged():
+    """Each example names the analysis it runs: the defaults, its own breakers and gates, or a template
+    the examples define; none still uses the removed metrics list or minRequests."""
+    for path, rollout in ROLLOUTS:
+        analysis = rollout["spec"].get("analysis") or {}
+        assert not {"metrics", "minRequests"} & set(analysis), path.name
+        for ref in template_refs(rollout["spec"]):
+            assert ref in TEMPLATES, f"{path.name}: names template {ref}, which no example defines"
+
+
+def test_gpu_checklist_template_is_the_documented_one():
+    spec = parse_spec({"selector": {"matchLabels": {"app": "llm-engine"}},
+                       "patch": {"name": "kv-align", "version": "3.2.1"},
+                       "analysis": {"templates": [{"name": "gpu-canary-checklist", "clusterScope": True}]}},
+                      TEMPLATES)
+    checks = {c.key: (c.metric, c.max, c.min, c.window_text, c.consecutive if c.role == "breaker" else None)
+              for c in spec.analysis.checks}
+    assert checks == {
+        "breaker/ttft-p99": ("ttft-p99", 0.8, None, "30s", 1),
+        "breaker/error-rate": ("error-rate", 0.005, None, "60s", 3),
+        "breaker/cpu": ("cpu", 0.92, None, "120s", 1),
+        "gate/success-rate": ("success-rate", None, 0.9995, "60s", None),
+        "gate/error-rate-delta": ("error-rate-delta", 0.001, None, "step", None),
+    }
+    rollout = one(load_file(EXAMPLES / "rollout-with-template.yaml"), "PatchRollout")
+    assert parse_spec(rollout["spec"], TEMPLATES).analysis == spec.analysis
+
+
+def test_cpu_fleet_example_differs_from_the_defaults_only_where_its_comment_says():
+    """The demo's kv-align rollout: the default steps and breakers (cpu run dry), one sized gate."""
+    rollout = one(load_file(EXAMPLES / "rollout-cpu-fleet.yaml"), "PatchRollout")
+    mine, defaults = parse_spec(rollout["spec"]), parse_spec({**rollout["spec"], "analysis": {}})
+    assert mine.steps == defaults.steps
+    assert [dataclasses.replace(c, dry_run=False) for c in mine.analysis.breakers] == list(defaults.analysis.breakers)
+    assert [c.key for c in mine.analysis.breakers if c.dry_run] == ["breaker/cpu"]
+    (gate,) = mine.analysis.gates
+    assert (gate.key, gate.max, gate.window) == ("gate/error-rate-delta", 0.05, None)
 
 
 def test_crd_check_refuses_a_broken_rollout(crds):
