@@ -102,8 +102,7 @@ def build_admin_app(manager: PatchManager, token: AdminToken | None) -> FastAPI:
         return _error(exc.status, exc.message)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("admin API call failed")
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:  # uvicorn logs the traceback
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     @app.get("/admin/patches")

@@ -164,6 +164,19 @@ def test_a_bundle_that_never_finishes_loading_is_422_and_the_engine_keeps_servin
     assert revision(engine) == "base"
 
 
+def test_a_bundle_that_only_overruns_inside_the_engine_is_refused_at_the_same_deadline(engine, key):
+    source = bundle("""
+        import sys, time
+        if sys.modules["__main__"].__spec__.name != "graft.engine.patches.loading":   # not in the check
+            time.sleep(30)
+    """, name="sly")
+    t0 = time.monotonic()
+    r = post(engine, request(source, key, name="sly"))
+    assert r.status_code == 422 and "did not finish" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - t0 < 20
+    assert revision(engine) == "base" and completion(engine) == 200
+
+
 def test_reapplying_an_applied_bundle_runs_none_of_its_code(engine, key, tmp_path):
     runs = tmp_path / "runs"
     source = bundle(f"""
