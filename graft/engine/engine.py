@@ -459,7 +459,7 @@ class LLMEngine:
             if error is not None:
                 reason = FinishReason.ERROR
         self.runner.release(seq)
-        self._finish_stream(seq, reason, error, code, delay)
+        # counted before the client hears of it, so a scrape after an answer always includes it
         rev = self.revision
         status = "error" if reason is FinishReason.ERROR else "ok"
         self.metrics.requests.labels(rev, status).inc()
@@ -468,6 +468,7 @@ class LLMEngine:
         self.metrics.generation_tokens.labels(rev).inc(len(seq.output_token_ids))
         if seq.revision is not None:
             self.metrics.request_ended(seq.revision)
+        self._finish_stream(seq, reason, error, code, delay)
 
     def _update_gauges(self) -> None:
         m = self.metrics

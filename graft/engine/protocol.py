@@ -62,7 +62,8 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: Text
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, description=(
+        "At most the model's context length; beyond what the prompt leaves, the completion is cut there."))
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=0, ge=0, description="0 means off; at most the vocabulary size.")

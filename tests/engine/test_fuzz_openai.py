@@ -162,8 +162,11 @@ def test_no_request_body_gets_a_500_or_an_undocumented_status(engine, schema, pa
         client.close()
 
 
-@pytest.mark.parametrize("raw", [b"", b"{", b"[]", b"null", b'"x"', b"{}", b"\xff\xfe", b'{"model": 1e999}',
-                                 b'{"model": "' + MODEL.encode() + b'", "prompt": "\\ud800"}'])
+@pytest.mark.parametrize("raw", [
+    b"", b"{", b"[]", b"null", b'"x"', b"{}", b"\xff\xfe", b'{"model": 1e999}',
+    b'{"model": "\xed\xa0\x80"}',  # a surrogate written as (invalid) UTF-8 bytes
+    b'{"model": "' + MODEL.encode() + b'", "prompt": "\\ud800"}',  # and as a JSON escape
+])
 @pytest.mark.parametrize("path", PATHS)
 def test_raw_bodies_that_are_not_requests_get_a_400(engine, path, raw):
     r = httpx.post(engine.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)

@@ -60,7 +60,9 @@ def poisoned_engine(engine, request):
     engine.slots = plain
 
 
-async def run(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str | None, str | None]:
+async def run(engine: LLMEngine, prompt_ids: list[int],
+              params: SamplingParams) -> tuple[list[int], str | None, str | None]:
+    """(tokens, finish reason, error) of one request submitted straight to the engine."""
     handle = engine.submit(prompt_ids, params)
     tokens, reason, error = [], None, None
     async for ev in handle.events():
@@ -149,6 +151,41 @@ def _thousand(eng: LLMEngine):
     return results, elapsed, n_poison, before, counts(eng)
 
 
+def test_a_request_whose_detokenisation_fails_fails_alone(engine, monkeypatch):
+    """Text is made per request on the HTTP side: a detokeniser that breaks ends only its request."""
+    from graft.engine import server
+    made = iter(range(10**6))
+
+    class Breaking(server.IncrementalDetokenizer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.broken = next(made) % 4 == 1
+
+        def push(self, token_id: int) -> str:
+            if self.broken:
+                raise UnicodeError("poisoned detokeniser")
+            return super().push(token_id)
+
+    monkeypatch.setattr(server, "IncrementalDetokenizer", Breaking)
+    app = server.build_app(engine, MODEL)
+    before = counts(engine)
+
+    async def load() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine") as client:
+            body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 16, "ignore_eos": True}
+            return await asyncio.gather(*(client.post("/v1/completions", json={**body, "stream": i % 2 == 0})
+                                          for i in range(16)))
+    responses = asyncio.run(load())
+    broken = [r for r in responses if "internal error while detokenizing" in r.text]
+    assert len(broken) == 4
+    assert all(r.status_code == 500 for r in broken if not r.text.startswith("data:"))
+    assert all(r.text.rstrip().endswith("data: [DONE]") for r in broken if r.text.startswith("data:"))
+    ok = [r for r in responses if r not in broken]
+    assert all(r.status_code == 200 and '"error"' not in r.text for r in ok)
+    after = counts(engine)
+    assert after["error"] - before["error"] == 4 and after["ok"] - before["ok"] == 12
+
+
 def test_a_failed_forward_pass_still_fails_the_whole_batch(engine):
     """The one failure that is not any request's own: the model itself."""
     def broken(*args, **kwargs):
@@ -205,8 +242,9 @@ def test_the_engine_refuses_at_submit_what_its_step_could_not_run(engine):
             setattr(params, name, value)  # as a caller that changed them after construction
         engine.submit([1, 2, 3], params)
 
-    for settings, param in [({"top_k": 10**30}, "top_k"), ({"seed": 2**64}, "seed"), ({"max_tokens": 10**9}, "max_tokens"),
-                            ({"temperature": float("nan")}, "temperature"), ({"logprobs": 99}, "logprobs")]:
+    for settings, param in [({"top_k": 10**30}, "top_k"), ({"seed": 2**64}, "seed"),
+                            ({"max_tokens": 10**9}, "max_tokens"), ({"temperature": float("nan")}, "temperature"),
+                            ({"logprobs": 99}, "logprobs")]:
         with pytest.raises(InvalidParam) as err:
             asyncio.run(submit(**settings))
         assert err.value.param == param

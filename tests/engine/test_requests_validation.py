@@ -91,7 +91,8 @@ def test_out_of_range_or_mistyped_fields_are_refused_by_name(engine, body, param
     assert_refused(post(engine, body, path), param)
 
 
-@pytest.mark.parametrize("literal, param", [("NaN", "temperature"), ("Infinity", "top_p"), ("-Infinity", "temperature")])
+@pytest.mark.parametrize("literal, param", [("NaN", "temperature"), ("Infinity", "top_p"),
+                                            ("-Infinity", "temperature")])
 def test_non_finite_numbers_are_refused(engine, literal, param):
     body = json.dumps(completion()).replace('"max_tokens"', f'"{param}": {literal}, "max_tokens"')
     assert_refused(post(engine, body), param)
@@ -164,7 +165,8 @@ def _read_response(sock: socket.socket) -> bytes:
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
     while len(body) < length:
         body += sock.recv(65536)
     return head + b"\r\n\r\n" + body
