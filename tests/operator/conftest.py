@@ -4,6 +4,7 @@ The API server is the local emulator (graft.devcluster.apiserver), or a real clu
 GRAFT_E2E_KUBECONFIG names a kubeconfig; tests that need pods whose engines they control (every
 "fleet" test) skip on a real cluster, since there a kubelet owns the pods.
 """
+import asyncio
 import os
 import uuid
 from pathlib import Path
@@ -28,15 +29,17 @@ async def cluster():
     if E2E_KUBECONFIG:
         kube = Kube.from_connection(_from_kubeconfig(E2E_KUBECONFIG, None))
         import yaml
-        crd = yaml.safe_load((ROOT / "crds" / "patchrollout.yaml").read_text())
-        try:
-            await kube.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
-        except KubeError as e:
-            if e.status != 409:
-                raise
+        for path in ("patchrollout.yaml", "patchanalysistemplate.yaml"):
+            for crd in yaml.safe_load_all((ROOT / "crds" / path).read_text()):
+                try:
+                    await kube.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+                except KubeError as e:
+                    if e.status != 409:
+                        raise
         yield Cluster(kube, None, E2E_KUBECONFIG)
         await kube.aclose()
         return
+    # every CRD under crds/: PatchRollout and the (cluster) analysis templates it may name
     async with ApiServer(crd_paths=[ROOT / "crds"]) as api:
         kube = Kube(api.url)
         yield Cluster(kube, api.url, None)
@@ -103,6 +106,9 @@ async def fleet(cluster, namespace, prometheus, needs_fake_pods):
             engines.append(engine)
             await create_pod(cluster.kube, namespace, f"engine-{len(engines) - 1}", engine)
         prometheus.set_targets([(e.address, {"namespace": namespace}) for e in engines])
+        # Prometheus hands new targets to its scrapers up to 5 s later: until then a rollout's checks
+        # would see no traffic at all, and a breaker without data holds nothing
+        await asyncio.to_thread(prometheus.wait_for_targets, len(engines), 30)
         return engines
 
     yield make

@@ -100,15 +100,22 @@ async def events_of(kube: Kube, namespace: str, name: str) -> list[dict]:
     return [e for e in items if (e.get("involvedObject") or {}).get("name") == name]
 
 
-def manifest(prometheus, name="kv-align", **spec):
+CHECKS = {
+    "breakers": [{"name": "error-rate", "max": 0.05, "window": "2s", "consecutive": 2},
+                 {"name": "latency-p99", "max": 0.5, "window": "2s"}],
+    "gates": [{"name": "error-rate-delta", "max": 0.05, "window": "2s"}],
+}
+
+
+def manifest(prometheus, name="kv-align", analysis=None, **spec):
+    """A PatchRollout judged every second over 2 s windows (the fake engines serve 200 requests a
+    second each, so every check has its evidence within a run); `analysis` replaces the checks."""
     body = {
         "selector": {"matchLabels": {"app": "llm-engine"}},
         "patch": {"name": "kv-align", "version": "3.2.1", "source": {"builtin": {}}},
         "steps": [{"weight": 1, "pause": "1s"}, {"weight": 50, "pause": "1s"}, {"weight": 100}],
-        "analysis": {"prometheus": {"address": prometheus.url}, "interval": "500ms", "minRequests": 10,
-                     "metrics": [{"name": "error-rate", "max": 0.05, "window": "2s", "consecutive": 2},
-                                 {"name": "latency-p99", "max": 0.5, "window": "2s"},
-                                 {"name": "error-rate-delta", "max": 0.05, "window": "2s"}]},
+        "analysis": {"prometheus": {"address": prometheus.url}, "interval": "1s",
+                     **(CHECKS if analysis is None else analysis)},
         "progressDeadline": "1m",
     }
     body.update(spec)
@@ -127,3 +134,17 @@ async def phase_is(cluster, namespace, name, *phases):
 async def events_with(cluster, namespace, reason, name="kv-align"):
     items = await events_of(cluster.kube, namespace, name)
     return items if any(e["reason"] == reason for e in items) else None
+
+
+async def rollout_cli(cluster, namespace, tmp_path, *argv):
+    """`graft rollout ARGV -n NAMESPACE` against the test's API server, as a person types it."""
+    from rich.console import Console
+
+    from graft.devcluster.kubeconfig import write_kubeconfig
+    from graft.operator.cli import main_rollout
+
+    kubeconfig = cluster.kubeconfig or str(write_kubeconfig(tmp_path / "kubeconfig", cluster.url,
+                                                            namespace=namespace))
+    console = Console(record=True, width=220, force_terminal=False)
+    code = await asyncio.to_thread(main_rollout, [*argv, "-n", namespace, "--kubeconfig", kubeconfig], console)
+    return code, console.export_text()

@@ -2,8 +2,10 @@
 numbers the test sets, on 127.0.0.x with a port the OS picks.
 
 Traffic is simulated: every scrape adds `rps * elapsed` requests to the engine's current revision,
-`error_ratio` of them errors, every one taking `latency` seconds. Prometheus scrapes the page, the
-operator's queries are real.
+`error_ratio` of them errors, every one taking `latency` seconds (its first token too, and a tenth
+of it per further token). The page has the series the built-in checks ask for (requests by status,
+the request, TTFT and inter-token histograms, CPU seconds and quota, the revision info), each with
+its `revision` label; Prometheus adds `namespace` and `instance`. The operator's queries are real.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ class FakeEngine:
 
     def __post_init__(self) -> None:
         self.requests: dict[tuple[str, str], float] = {}
-        self.buckets: dict[tuple[str, float], float] = {}
+        self.buckets: dict[tuple[str, float], float] = {}   # (revision, le) -> requests at most le
         self.sums: dict[str, float] = {}
         self.cpu = 0.0
         self.bundles: list[dict] = []      # bundle sources received
@@ -147,19 +149,26 @@ class FakeEngine:
         self._advance()
         lines = ["# TYPE graft_requests_total counter"]
         lines += [f'graft_requests_total{{revision="{r}",status="{s}"}} {v}' for (r, s), v in self.requests.items()]
-        lines.append("# TYPE graft_request_duration_seconds histogram")
-        for rev in self.sums:
-            for le in (*BUCKETS, float("inf")):
-                edge = "+Inf" if le == float("inf") else repr(le)
-                lines.append(f'graft_request_duration_seconds_bucket{{revision="{rev}",le="{edge}"}} '
-                             f'{self.buckets.get((rev, le), 0.0)}')
-            lines.append(f'graft_request_duration_seconds_sum{{revision="{rev}"}} {self.sums[rev]}')
-            lines.append(f'graft_request_duration_seconds_count{{revision="{rev}"}} '
-                         f'{self.buckets.get((rev, float("inf")), 0.0)}')
+        # the request's latency is also its time to first token; a tenth of it between later tokens
+        for metric, scale in (("graft_request_duration_seconds", 1.0), ("graft_time_to_first_token_seconds", 1.0),
+                              ("graft_inter_token_latency_seconds", 0.1)):
+            lines += self._histogram(metric, scale)
         lines += ["# TYPE process_cpu_seconds_total counter", f"process_cpu_seconds_total {self.cpu}",
+                  "# TYPE graft_cpu_quota_cores gauge", "graft_cpu_quota_cores 1",
                   "# TYPE graft_engine_revision_info gauge",
                   f'graft_engine_revision_info{{revision="{self.revision}"}} 1']
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    def _histogram(self, metric: str, scale: float) -> list[str]:
+        """`metric` with every observation `scale` times the request latency (its bucket bounds scaled alike)."""
+        lines = [f"# TYPE {metric} histogram"]
+        for rev in self.sums:
+            for le in (*BUCKETS, float("inf")):
+                edge = "+Inf" if le == float("inf") else repr(le * scale)
+                lines.append(f'{metric}_bucket{{revision="{rev}",le="{edge}"}} {self.buckets.get((rev, le), 0.0)}')
+            lines.append(f'{metric}_sum{{revision="{rev}"}} {self.sums[rev] * scale}')
+            lines.append(f'{metric}_count{{revision="{rev}"}} {self.buckets.get((rev, float("inf")), 0.0)}')
+        return lines
 
 
 def _error(status: int, message: str) -> web.Response:

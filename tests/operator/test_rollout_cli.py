@@ -19,11 +19,19 @@ STATUS = {
     "pods": [{"name": "engine-0", "track": "canary", "revision": "kv-align@3.2.1", "restartCount": 1,
               "patchedAt": "2026-01-01T00:00:00.000Z"},
              {"name": "engine-1", "track": "stable", "revision": "base", "restartCount": 0}],
-    "analysis": {"lastRun": "2026-01-01T00:00:05.000Z", "verdict": "Inconclusive", "results": [
-        {"name": "error-rate", "value": 0.0123, "threshold": "<= 0.005", "window": "60s", "verdict": "Failed",
-         "breaches": 1, "message": "error-rate 0.0123 breaches <= 0.005 over 60s (breach 1/3)"},
-        {"name": "latency-p99", "value": 0.31, "threshold": "<= 0.8", "window": "30s", "verdict": "Successful",
-         "breaches": 0, "dryRun": True}]},
+    "analysis": {"lastRun": "2026-01-01T00:00:05.000Z", "verdict": "Inconclusive", "errorRuns": 0,
+                 "inconclusiveRuns": 2, "results": [
+        {"name": "error-rate", "role": "breaker", "value": 0.0123, "threshold": "<= 0.005", "window": "60s",
+         "verdict": "Failed", "breaches": 1, "conclusive": True,
+         "message": "error-rate 1.23% (37 errors of 3000 canary requests in 60s): above the error rate 0.5% at "
+                    "0.999 confidence (lower bound 0.758%) (breach 1/3)",
+         "numbers": {"requests": 3000, "errors": 37, "lower": 0.00758}},
+        {"name": "latency-p99", "role": "breaker", "value": 0.31, "threshold": "<= 0.8", "window": "30s",
+         "verdict": "Successful", "breaches": 0, "dryRun": True},
+        {"name": "error-rate-delta", "role": "gate", "threshold": "<= 0.001", "window": "step",
+         "verdict": "Inconclusive", "short": True,
+         "message": "error-rate-delta: upper bound +0.3 pp not yet within +0.1 pp (needs at least 2995 canary "
+                    "requests)"}]},
 }
 
 
@@ -36,7 +44,8 @@ async def rollout(cluster, namespace, prometheus, tmp_path):
 
 
 async def cli(kubeconfig, namespace, *argv):
-    console = Console(record=True, width=220, force_terminal=False)
+    # wide enough that no analysis message wraps inside its cell
+    console = Console(record=True, width=400, force_terminal=False)
     code = await asyncio.to_thread(main_rollout, [*argv, "-n", namespace, "--kubeconfig", kubeconfig], console)
     return code, console.export_text()
 
@@ -45,7 +54,8 @@ async def test_status_shows_step_weight_pods_and_metrics_against_thresholds(clus
     code, out = await cli(rollout, namespace, "status", "kv-align")
     assert code == 0
     for text in ("Progressing", "2/3", "50%", "kv-align@3.2.1", "engine-0", "canary", "error-rate", "0.0123",
-                 "<= 0.005", "Failed", "breach 1/3", "latency-p99 (dry run)", "Inconclusive"):
+                 "<= 0.005", "Failed", "breach 1/3", "latency-p99 (dry run)", "Inconclusive", "error-rate-delta",
+                 "needs at least 2995 canary requests"):
         assert text in out, text
 
 

@@ -1,10 +1,15 @@
 """The operator end to end: kopf against the API server, fake engines, a real Prometheus."""
+import asyncio
+import base64
+import time
+
 import pytest
+from aiohttp import web
 
 from graft.operator.kube import rollout_path
 
-from operator_cluster import (create, events_of, events_with, get_rollout, manifest, phase_is, set_pod_status,
-                              until)
+from operator_cluster import (CHECKS, create, events_of, events_with, get_rollout, manifest, phase_is, rollout_cli,
+                              set_pod_status, until)
 from operator_fakes import Health
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,37 +41,49 @@ async def test_rollout_is_promoted_step_by_step(cluster, namespace, fleet, opera
         assert reason in reasons
 
 
-async def test_failing_metric_rolls_back(cluster, namespace, fleet, operator, prometheus):
+async def test_failing_breaker_rolls_back(cluster, namespace, fleet, operator, prometheus):
     engines = await fleet(3, health={"kv-align@3.2.1": Health(error_ratio=0.5)})
     await operator()
-    await create(cluster, namespace, manifest(prometheus))
+    # the breakers alone (error-rate-delta would roll back at once on such evidence: a conclusive gate)
+    breakers = {"breakers": CHECKS["breakers"]}
+    await create(cluster, namespace, manifest(prometheus, analysis=breakers))
     obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "RolledBack", "Promoted"), 60)
     assert obj["status"]["phase"] == "RolledBack" and obj["status"]["reason"] == "AnalysisFailed"
-    assert "error-rate" in obj["status"]["message"]
+    assert obj["status"]["stepIndex"] == 0
+    assert "breaker error-rate 50%" in obj["status"]["message"] and "(breach 2/2)" in obj["status"]["message"]
     assert all(e.revision == "base" for e in engines) and sum(e.posts for e in engines) == 1
     events = await until(lambda: events_with(cluster, namespace, "RolledBack"), 10)
     failed = [e["message"] for e in events if e["reason"] == "AnalysisFailed"]
-    assert failed and "breaches <= 0.05" in failed[0]
+    assert failed and "above the error rate 5% at 0.999 confidence" in failed[0] and "(breach 1/2)" in failed[0]
 
 
-async def test_no_data_holds_the_step(cluster, namespace, fleet, operator, prometheus):
+async def test_no_traffic_holds_the_last_step_with_stable_pods_then_pauses(cluster, namespace, fleet, operator,
+                                                                           prometheus):
+    """No requests at all: nothing is gathered at 1%, so the gate holds the 50% step (the last with
+    stable pods) until inconclusiveLimit runs past its pause, then the rollout pauses for a person."""
     engines = await fleet(2, rps=0.0)
     await operator()
-    await create(cluster, namespace, manifest(prometheus))
+    body = manifest(prometheus)
+    body["spec"]["analysis"]["inconclusiveLimit"] = 4
+    await create(cluster, namespace, body)
 
     async def held():
         obj = await get_rollout(cluster.kube, namespace, "kv-align")
-        analysis = (obj.get("status") or {}).get("analysis") or {}
-        return obj if analysis.get("verdict") == "Inconclusive" else None
+        s = obj.get("status") or {}
+        return obj if s.get("stepIndex") == 1 and (s.get("analysis") or {}).get("verdict") == "Inconclusive" else None
 
-    obj = await until(held, 30, what="an Inconclusive analysis")
+    obj = await until(held, 30, what="an Inconclusive analysis at step 2")
+    results = {(r["role"], r["name"]): r for r in obj["status"]["analysis"]["results"]}
+    gate = results[("gate", "error-rate-delta")]
+    assert gate["verdict"] == "Inconclusive" and gate["short"] and "no canary requests" in gate["message"]
+    breaker = results[("breaker", "error-rate")]
+    assert "no canary requests" in breaker["message"] and "noData: hold" in breaker["message"]
     await until(lambda: events_with(cluster, namespace, "AnalysisInconclusive"), 10)
-    obj = await get_rollout(cluster.kube, namespace, "kv-align")
-    status = obj["status"]
-    assert status["phase"] == "Progressing" and status["stepIndex"] == 0
-    assert sum(e.revision != "base" for e in engines) == 1
-    messages = [r["message"] for r in status["analysis"]["results"]]
-    assert any("fewer than minRequests 10" in m and "noData: hold" in m for m in messages)
+    obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Paused"), 30, what="an analysis pause")
+    assert obj["status"]["reason"] == "InconclusiveLimit" and obj["spec"]["paused"] is True
+    assert "inconclusiveLimit 4" in obj["status"]["message"]
+    await until(lambda: events_with(cluster, namespace, "InconclusiveLimit"), 10)
+    assert sum(e.revision != "base" for e in engines) == 1, "held, not rolled back: a person decides"
 
 
 async def test_pause_promote_resume_and_abort(cluster, namespace, fleet, operator, prometheus):
@@ -175,19 +192,113 @@ async def test_deleting_a_rollout_in_flight_reverts_its_canaries(cluster, namesp
     assert all(e.revision == "base" for e in engines)
 
 
-async def test_unreachable_prometheus_holds_and_never_promotes(cluster, namespace, fleet, operator, prometheus):
+async def test_prometheus_outage_pauses_at_the_error_limit_and_resume_carries_on(
+        cluster, namespace, fleet, operator, prometheus, tmp_path):
     engines = await fleet(2)
     await operator()
-    body = manifest(prometheus, steps=[{"weight": 50, "pause": "500ms"}, {"weight": 100}])
-    body["spec"]["analysis"]["prometheus"]["address"] = "http://127.0.0.1:9"    # nothing listens there
-    await create(cluster, namespace, body)
+    await asyncio.to_thread(prometheus.stop)
+    try:
+        await create(cluster, namespace, manifest(prometheus, steps=[{"weight": 50, "pause": "1s"}, {"weight": 100}]))
+        obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Paused"), 30, what="an analysis pause")
+        status = obj["status"]
+        assert status["reason"] == "AnalysisErrorLimit" and status["stepIndex"] == 0
+        assert obj["spec"]["paused"] is True, "the operator wrote spec.paused"
+        assert status["analysis"]["verdict"] == "Error" and status["analysis"]["errorRuns"] >= 4
+        assert all(r["verdict"] == "Error" and f"Prometheus at {prometheus.url} is unreachable" in r["message"]
+                   for r in status["analysis"]["results"])
+        events = await until(lambda: events_with(cluster, namespace, "AnalysisErrorLimit"), 10)
+        (limit,) = [e for e in events if e["reason"] == "AnalysisErrorLimit"]
+        assert limit["type"] == "Warning" and "errorLimit 4" in limit["message"]
+        assert sum(e.revision != "base" for e in engines) == 1, "held where it was, nothing reverted"
+    finally:
+        await asyncio.to_thread(prometheus.start)
+    await asyncio.to_thread(prometheus.wait_for_targets, len(engines), 30)
+    code, out = await rollout_cli(cluster, namespace, tmp_path, "resume", "kv-align")
+    assert code == 0, out
+    obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Promoted", "RolledBack"), 60)
+    assert obj["status"]["phase"] == "Promoted" and obj["spec"]["paused"] is False
+    assert "Resumed" in [e["reason"] for e in await events_of(cluster.kube, namespace, "kv-align")]
+    assert all(e.revision == "kv-align@3.2.1" for e in engines)
 
-    async def erred():
-        obj = await get_rollout(cluster.kube, namespace, "kv-align")
-        return obj if ((obj.get("status") or {}).get("analysis") or {}).get("verdict") == "Error" else None
 
-    obj = await until(erred, 30, what="an Error analysis")
-    assert obj["status"]["phase"] == "Progressing" and obj["status"]["stepIndex"] == 0
-    assert all(r["verdict"] == "Error" and "ConnectionError" in r["message"]
-               for r in obj["status"]["analysis"]["results"])
-    assert sum(e.revision != "base" for e in engines) == 1
+async def test_rollout_naming_a_template_is_judged_by_its_checks(cluster, namespace, fleet, operator, prometheus):
+    engines = await fleet(2, health={"kv-align@3.2.1": Health(error_ratio=0.5)})
+    await cluster.kube.create(f"/apis/graft.dev/v1alpha1/namespaces/{namespace}/patchanalysistemplates", {
+        "apiVersion": "graft.dev/v1alpha1", "kind": "PatchAnalysisTemplate", "metadata": {"name": "fleet-checks"},
+        "spec": {"breakers": [{"name": "error-rate", "max": 0.2, "window": "2s", "consecutive": 1}],
+                 "gates": [{"name": "success-rate", "min": 0.9, "window": "2s"}]}})
+    await operator()
+    await create(cluster, namespace, manifest(prometheus, analysis={"templates": [{"name": "fleet-checks"}]}))
+    obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "RolledBack", "Promoted", "Failed"), 40)
+    status = obj["status"]
+    assert status["phase"] == "RolledBack" and status["reason"] == "AnalysisFailed", status["message"]
+    assert {(r["role"], r["name"]) for r in status["analysis"]["results"]} == {
+        ("breaker", "error-rate"), ("gate", "success-rate")}, "the template's checks, and no default one"
+    assert "above the error rate 20%" in status["message"] and "(breach 1/1)" in status["message"]
+    assert all(e.revision == "base" for e in engines)
+
+
+async def test_a_missing_template_is_an_invalid_spec(cluster, namespace, operator, prometheus):
+    await operator()
+    await create(cluster, namespace, manifest(prometheus, analysis={"templates": [{"name": "nowhere"}]}))
+    obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Failed"), 20)
+    assert obj["status"]["reason"] == "InvalidSpec"
+    assert "spec.analysis.templates: namespaced analysis template 'nowhere' was not found" in obj["status"]["message"]
+
+
+class FakePrometheus:
+    """`/api/v1/query` answering every count with 100 requests and no error, recording each request's
+    headers: stands in for a Prometheus behind an authenticating proxy."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, str]] = []
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> "FakePrometheus":
+        app = web.Application()
+        app.router.add_get("/api/v1/query", self._query)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._runner.cleanup()
+
+    async def _query(self, request: web.Request) -> web.Response:
+        self.seen.append(dict(request.headers))
+        value = "0" if 'status="error"' in request.query["query"] else "100"
+        return web.json_response({"status": "success", "data": {"resultType": "vector", "result": [
+            {"metric": {}, "value": [time.time(), value]}]}})
+
+
+async def test_bearer_token_secret_and_headers_reach_prometheus(cluster, namespace, fleet, operator, prometheus):
+    engines = await fleet(2)
+    await operator()
+    async with FakePrometheus() as prom:
+        analysis = {"prometheus": {"address": prom.url, "bearerTokenSecret": {"name": "prom-token", "key": "token"},
+                                   "headers": [{"name": "X-Scope-OrgID", "value": "llm"}]},
+                    "interval": "1s", "breakers": [{"name": "error-rate", "max": 0.05, "window": "2s"}]}
+        await create(cluster, namespace, manifest(prometheus, steps=[{"weight": 50, "pause": "1s"}, {"weight": 100}],
+                                                  analysis=analysis))
+
+        async def secret_missing():
+            obj = await get_rollout(cluster.kube, namespace, "kv-align")
+            results = ((obj.get("status") or {}).get("analysis") or {}).get("results") or []
+            return results if results and all(r["verdict"] == "Error" for r in results) else None
+
+        (result,) = await until(secret_missing, 20, what="an Error run for the missing Secret")
+        assert result["message"] == (f"error-rate: spec.analysis.prometheus.bearerTokenSecret: Secret "
+                                     f"{namespace}/prom-token not found")
+        assert prom.seen == [], "no query goes out without its credentials"
+        await cluster.kube.create(f"/api/v1/namespaces/{namespace}/secrets", {
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "prom-token"},
+            "data": {"token": base64.b64encode(b"s3cret\n").decode()}})
+        obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Promoted", "RolledBack", "Paused"), 30)
+        assert obj["status"]["phase"] == "Promoted", obj["status"]["message"]
+    assert prom.seen and all(h.get("Authorization") == "Bearer s3cret" and h.get("X-Scope-OrgID") == "llm"
+                             for h in prom.seen)
+    assert all(e.revision == "kv-align@3.2.1" for e in engines)

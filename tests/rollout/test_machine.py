@@ -134,6 +134,22 @@ def test_a_breaker_judges_counts_not_the_raw_ratio(errors, requests, expected):
         assert status.analysis.result("error-rate").verdict == "Successful"
 
 
+def test_a_gate_rolls_back_on_conclusive_evidence_and_holds_on_weak_evidence():
+    spec = make_spec()                                   # gate error-rate-delta: max 0.001
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    # 6 errors in 3000 canary requests, none in 3000 stable ones: over the limit, nowhere near conclusive
+    weak = {"gate/error-rate-delta": {"canary_requests": 3000, "canary_errors": 6,
+                                      "stable_requests": 3000, "stable_errors": 0}}
+    status = ticks_of(fleet, status, (5, 10, 15, 20), lambda s: with_values(s, weak))
+    assert (status.phase, status.step_index, status.analysis.verdict) == ("Progressing", 0, "Inconclusive")
+    # half of the canary's requests fail: one run is enough, whatever the breakers say
+    status = ticks_of(fleet, status, (25,), lambda s: breaching(s, "error-rate-delta", role="gate"))
+    assert status.phase == "RolledBack" and status.reason == "AnalysisFailed"
+    assert "gate error-rate-delta: canary 50000/100000 errors (50%)" in status.message
+    assert "at 0.999 confidence" in status.message
+
+
 def test_a_gate_lacking_traffic_holds_only_the_last_step_with_stable_pods():
     spec = make_spec(steps=[{"weight": 1, "pause": "10s"}, {"weight": 20, "pause": "10s"},
                             {"weight": 50, "pause": "10s"}, {"weight": 100}])
