@@ -6,6 +6,7 @@ GRAFT_E2E_KUBECONFIG names a kubeconfig; tests that need pods whose engines they
 """
 import asyncio
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -95,6 +96,19 @@ async def operator(cluster, namespace):
             await handle.stop()
 
 
+def scraping(prometheus: PrometheusServer, addresses: list[str], timeout: float = 30.0) -> None:
+    """Wait until Prometheus scrapes exactly these targets (not the last test's), every one up."""
+    want = {f"http://{a}/metrics" for a in addresses}
+    deadline = time.monotonic() + timeout
+    while True:
+        active = prometheus.wait_for_targets(len(want), timeout)
+        if {t["scrapeUrl"] for t in active} == want:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Prometheus scrapes {[t['scrapeUrl'] for t in active]}, not {sorted(want)}")
+        time.sleep(0.2)
+
+
 @pytest.fixture
 async def fleet(cluster, namespace, prometheus, needs_fake_pods):
     """`await fleet(n)` starts n fake engines, each behind a Pod, all scraped by Prometheus."""
@@ -108,7 +122,7 @@ async def fleet(cluster, namespace, prometheus, needs_fake_pods):
         prometheus.set_targets([(e.address, {"namespace": namespace}) for e in engines])
         # Prometheus hands new targets to its scrapers up to 5 s later: until then a rollout's checks
         # would see no traffic at all, and a breaker without data holds nothing
-        await asyncio.to_thread(prometheus.wait_for_targets, len(engines), 30)
+        await asyncio.to_thread(scraping, prometheus, [e.address for e in engines])
         return engines
 
     yield make

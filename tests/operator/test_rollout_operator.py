@@ -54,7 +54,8 @@ async def test_failing_breaker_rolls_back(cluster, namespace, fleet, operator, p
     assert all(e.revision == "base" for e in engines) and sum(e.posts for e in engines) == 1
     events = await until(lambda: events_with(cluster, namespace, "RolledBack"), 10)
     failed = [e["message"] for e in events if e["reason"] == "AnalysisFailed"]
-    assert failed and "above the error rate 5% at 0.999 confidence" in failed[0] and "(breach 1/2)" in failed[0]
+    assert failed and all("above the error rate 5% at 0.999 confidence" in m for m in failed)
+    assert sorted(m[m.index("(breach"):] for m in failed) == ["(breach 1/2)", "(breach 2/2)"]
 
 
 async def test_no_traffic_holds_the_last_step_with_stable_pods_then_pauses(cluster, namespace, fleet, operator,
