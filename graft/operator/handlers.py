@@ -2,6 +2,7 @@
 
 - create / resume / update (spec, controls in annotations): reconcile at once;
 - a timer every `tick` seconds: reconcile (pauses end, analysis runs, pods are re-checked);
+- PatchFleets: on create, update and every `tick`, their pods are converged to their patches;
 - delete (behind the finalizer `graft.dev/finalizer`): a rollout still in flight is aborted and its
   canaries reverted before it goes; a promoted one leaves its patch in place;
 - login: chosen by settings (a plain URL, a kubeconfig, or kopf's in-cluster/kubeconfig login).
@@ -15,7 +16,8 @@ from typing import Any
 import kopf
 
 from graft.operator import events
-from graft.operator.kube import rollout_path
+from graft.operator.fleet import reconcile_fleet
+from graft.operator.kube import fleet_path, rollout_path
 from graft.operator.reconcile import ACTIVE, reconcile
 from graft.operator.routers import RouteError, router_for
 from graft.operator.runtime import Runtime
@@ -24,6 +26,7 @@ from graft.rollout.spec import SpecError, parse_spec
 from graft.rollout.status import FINAL, RolloutStatus
 
 GROUP, VERSION, PLURAL = "graft.dev", "v1alpha1", "patchrollouts"
+FLEET_PLURAL = "patchfleets"
 FINALIZER = "graft.dev/finalizer"
 
 
@@ -66,6 +69,20 @@ def build_registry(runtime: Runtime) -> kopf.OperatorRegistry:
     async def ticked(body: kopf.Body, **_: Any) -> None:
         await step(runtime, body)
 
+    fleet = dict(group=GROUP, version=VERSION, plural=FLEET_PLURAL, registry=registry)
+
+    @kopf.on.create(**fleet, id="fleet-create")
+    async def fleet_created(body: kopf.Body, **_: Any) -> None:
+        await fleet_step(runtime, body)
+
+    @kopf.on.update(**fleet, id="fleet-update")
+    async def fleet_updated(body: kopf.Body, **_: Any) -> None:
+        await fleet_step(runtime, body)
+
+    @kopf.timer(**fleet, id="fleet-tick", interval=runtime.settings.tick)
+    async def fleet_ticked(body: kopf.Body, **_: Any) -> None:
+        await fleet_step(runtime, body)
+
     @kopf.on.delete(**resource, id="finalize")
     async def deleted(body: kopf.Body, **_: Any) -> None:
         await finalize(runtime, body)
@@ -90,6 +107,18 @@ async def step(runtime: Runtime, body: kopf.Body) -> None:
     runtime.metrics.observe(meta["namespace"], meta["name"], result.status)
     for event in result.events:
         events.post(body, event)
+
+
+async def fleet_step(runtime: Runtime, body: kopf.Body) -> None:
+    """Converge one fleet's pods now, and post the events of what changed."""
+    meta = body["metadata"]
+    async with runtime.locks["fleet/" + meta["uid"]]:
+        current = await runtime.kube.get(fleet_path(meta["namespace"], meta["name"]))
+        if current is None:
+            return
+        result = await reconcile_fleet(runtime, current)
+    for reason, message, kind in result.events:
+        events.post(body, Event(reason, message, kind))
 
 
 def _settled(rollout: dict[str, Any]) -> bool:

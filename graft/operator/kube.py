@@ -93,6 +93,14 @@ def rollout_path(namespace: str, name: str) -> str:
     return f"/apis/graft.dev/v1alpha1/namespaces/{quote(namespace)}/patchrollouts/{quote(name)}"
 
 
+def rollouts_path(namespace: str) -> str:
+    return f"/apis/graft.dev/v1alpha1/namespaces/{quote(namespace)}/patchrollouts"
+
+
+def fleet_path(namespace: str, name: str | None = None) -> str:
+    return f"/apis/graft.dev/v1alpha1/namespaces/{quote(namespace)}/patchfleets" + (f"/{quote(name)}" if name else "")
+
+
 def secret_value(secret: dict[str, Any], key: str) -> str | None:
     """A Secret's value under `key` (data is base64, stringData plain), or None."""
     if key in (secret.get("stringData") or {}):

@@ -19,13 +19,15 @@ from graft.operator.kube import rollout_path
 from graft.operator.routers import RouteError, Router, router_for
 from graft.operator.runtime import Runtime, TokenError
 from graft.rollout.analysis import plan_run
+from graft.operator.fleet import active_rollout, find_fleet, find_or_create_fleet, record_promotion
 from graft.rollout.decision import (Action, ClearPromote, Event, LabelPod, PatchPod, PauseRollout,
-                                    SetWeight, UnpatchPod)
-from graft.rollout.machine import analysis_due, decide, known_revision
+                                    RecordPromotion, SetWeight, UnpatchPod)
+from graft.rollout.machine import QUEUED, analysis_due, decide, known_revision
 from graft.rollout.observation import (UNREACHABLE, Controls, Measurement, Observation, PodError,
                                        PodObservation, Problem)
 from graft.rollout.spec import RolloutSpec, SpecError, parse_spec, template_refs
-from graft.rollout.status import FAILED, FINAL, PAUSED, PROGRESSING, ROLLING_BACK, RolloutStatus, from_time
+from graft.rollout.status import (FAILED, FINAL, PAUSED, PENDING, PROGRESSING, ROLLING_BACK, RolloutStatus,
+                                  from_time)
 
 PROMOTE_ANNOTATION = "graft.dev/promote"
 ABORT_ANNOTATION = "graft.dev/abort"
@@ -107,6 +109,8 @@ class _Tick:
 
     async def run(self, status: RolloutStatus) -> tuple[RolloutStatus, list[Event]]:
         events: list[Event] = []
+        if status.phase == PENDING:
+            await self.wait_for_turn()
         measurements = await self.measure(status) if analysis_due(self.spec, status, self.now) else None
         for _ in range(MAX_ROUNDS):
             self.status = status
@@ -117,7 +121,20 @@ class _Tick:
                 break
             self.status = status
             await self.execute(d.actions)
+        if status.phase != PENDING and not status.fleet:
+            status.fleet = await find_or_create_fleet(self.rt.kube, self.namespace, self.spec.selector,
+                                                      status.stable_revision)
         return status, events
+
+    async def wait_for_turn(self) -> None:
+        """One rollout per fleet at a time: a second one waits, Pending (Queued), for the first to end."""
+        fleet = await find_fleet(self.rt.kube, self.namespace, self.spec.selector)
+        if fleet is None:
+            return
+        other = await active_rollout(self.rt.kube, self.namespace, fleet)
+        if other is not None and other["metadata"]["name"] != self.name:
+            self.problem = Problem(QUEUED, f"queued: PatchRollout {other['metadata']['name']} is active on "
+                                           f"fleet {fleet}; this one starts when it ends")
 
     # observing
     async def measure(self, status: RolloutStatus) -> list[Measurement]:
@@ -186,6 +203,9 @@ class _Tick:
                     await self.router.set_weight(weight)
                 except RouteError as e:
                     self.problem = self.problem or Problem(e.reason, e.message)
+            case RecordPromotion():
+                if self.status.fleet:
+                    await record_promotion(self.rt.kube, self.namespace, self.status.fleet, self.spec.patch)
             case PauseRollout():
                 await self.rt.kube.merge_patch(rollout_path(self.namespace, self.name), {"spec": {"paused": True}})
             case ClearPromote():

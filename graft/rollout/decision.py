@@ -42,7 +42,12 @@ class PauseRollout:
     """Set the rollout's spec.paused: the analysis cannot decide and a person must (resume or abort)."""
 
 
-Action = PatchPod | UnpatchPod | LabelPod | SetWeight | ClearPromote | PauseRollout
+@dataclass(slots=True, frozen=True)
+class RecordPromotion:
+    """Write the promoted patch into the fleet's durable state (its PatchFleet), for every pod to come."""
+
+
+Action = PatchPod | UnpatchPod | LabelPod | SetWeight | ClearPromote | PauseRollout | RecordPromotion
 
 
 @dataclass(slots=True, frozen=True)

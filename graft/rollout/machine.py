@@ -21,7 +21,7 @@ import math
 
 from graft.rollout import analysis as judge
 from graft.rollout.decision import (ClearPromote, Decision, Event, LabelPod, PatchPod, PauseRollout,
-                                    SetWeight, UnpatchPod)
+                                    RecordPromotion, SetWeight, UnpatchPod)
 from graft.rollout.durations import format_duration
 from graft.rollout.observation import PERMANENT_ERRORS, VERIFY_FAILED, Observation, PodObservation
 from graft.rollout.revision import has_patch, majority_stable, with_patch, without_patch
@@ -32,6 +32,7 @@ from graft.rollout.status import (CANARY, FAILED, FINAL, PAUSED, PENDING, PROGRE
 WARNING = "Warning"
 # reasons for a pause the analysis asked for (a person resumes or aborts)
 INCONCLUSIVE_LIMIT, ERROR_LIMIT = "InconclusiveLimit", "AnalysisErrorLimit"
+QUEUED = "Queued"      # another rollout is active on the same fleet
 
 
 def canary_target(pods: int, weight: int) -> int:
@@ -66,6 +67,7 @@ def decide(spec: RolloutSpec, status: RolloutStatus, obs: Observation, now: floa
     """The next actions, events and status of one rollout."""
     machine = _Machine(spec, status.copy(), obs, now)
     machine.run()
+    machine.s.refresh_conditions(now)
     return Decision(machine.s, machine.actions, machine.events)
 
 
@@ -123,7 +125,8 @@ class _Machine:
                 self.finish(FAILED, obs.problem.reason, obs.problem.message)
             else:
                 self.note(obs.problem.reason, obs.problem.message)
-                self.pending_deadline(obs.problem.message)
+                if obs.problem.reason != QUEUED:     # waiting its turn is not a lack of progress
+                    self.pending_deadline(obs.problem.message)
             return
         ready = self.ready
         if not ready:
@@ -143,6 +146,12 @@ class _Machine:
         s.stable_revision = majority_stable([p.revision for p in known], self.ref)
         s.canary_revision = with_patch(s.stable_revision, self.ref)
         s.phase, s.reason, s.started_at = PROGRESSING, "Started", self.now
+        first = spec.steps[0].weight
+        if obs.route_weight is None and len(ready) * first < 100:
+            self.event("CoarseSteps", f"pod-ratio routing over {len(ready)} pods: the smallest share is one pod, "
+                                      f"{100 / len(ready):.3g}% of the traffic, so steps below that "
+                                      f"(first: {first}%) send more than they ask; use Gateway API routing "
+                                      "or more pods for finer steps", WARNING)
         s.pods = [PodRecord(p.name, p.uid, p.container_id, p.restart_count,
                             CANARY if has_patch(p.revision, self.ref) else STABLE, p.revision)
                   for p in obs.pods]
@@ -206,7 +215,25 @@ class _Machine:
             track = STABLE if self.s.phase in FINAL + (ROLLING_BACK,) else rec.track
             if act and (pod.track != track or pod.patches != revision):
                 self.actions.append(LabelPod(pod.name, track, revision))
+        if act:
+            self.mark_unready()
         return waiting
+
+    def mark_unready(self) -> None:
+        """Pods that are not Ready cannot be asked, but their label and annotation can be made right,
+        so that a container that restarts comes back with what its track should run."""
+        for pod in self.obs.pods:
+            if pod.ready:
+                continue
+            rec = self.s.pod(pod.name)
+            if rec is None:
+                continue
+            wants = self.wants_patch(rec)
+            base = pod.patches or rec.revision or self.s.stable_revision or "base"
+            revision = (with_patch if wants else without_patch)(base, self.ref)
+            track = STABLE if self.s.phase in FINAL + (ROLLING_BACK,) else rec.track
+            if pod.track != track or pod.patches != revision:
+                self.actions.append(LabelPod(pod.name, track, revision))
 
     def pod_failure(self) -> bool:
         """A refusal from an engine ends the rollout: roll back whatever was patched."""
@@ -316,11 +343,22 @@ class _Machine:
         ready = self.ready
         target = canary_target(len(ready), weight)
         canaries = [p for p in ready if s.pod(p.name).track == CANARY]
+        if len(canaries) > target:
+            # a replaced canary came back: keep the longest-serving canaries, the rest go back to stable
+            canaries.sort(key=lambda p: (s.pod(p.name).patched_at is None, s.pod(p.name).patched_at or 0, p.name))
+            for pod in canaries[target:]:
+                s.pod(pod.name).track = STABLE
+                self.event("CanaryReturned", f"pod {pod.name} is a canary beyond the {target} that "
+                                             f"{self.step_label} asks for; back to stable")
+            canaries = canaries[:target]
         for pod in sorted((p for p in ready if s.pod(p.name).track != CANARY), key=lambda p: p.name):
             if len(canaries) >= target:
                 break
             s.pod(pod.name).track = CANARY
             canaries.append(pod)
+        s.canary_pods = len(canaries)
+        s.traffic_share = round(100 * len(canaries) / len(ready), 1) if ready and self.obs.route_weight is None \
+            else float(self.spec.step(s.step_index).weight)
         if not ready:
             return False
         if self.converge_pods():
@@ -433,6 +471,7 @@ class _Machine:
         s = self.s
         s.phase, s.reason, s.weight = PROMOTED, "Promoted", 100
         s.stable_revision = s.canary_revision
+        self.actions.append(RecordPromotion())
         for rec in s.pods:
             rec.track = STABLE
         self.converge_pods()

@@ -764,3 +764,45 @@ def _check(r: _Reader, value: Any, path: str, role: str) -> Check | None:
     dry_run = r.boolean(d, "dryRun", path)
     return Check(name, role, metric, hi, lo, ratio, window, str(window_text), consecutive or 1, query,
                  dry_run, min_samples)
+
+
+@dataclass(slots=True, frozen=True)
+class FleetSpec:
+    """A PatchFleet's `spec`: the pods it covers and the patches they all run (its stable revision)."""
+
+    selector: LabelSelector
+    patches: tuple[PatchSpec, ...]
+
+
+def parse_fleet_spec(spec: Mapping[str, Any]) -> FleetSpec:
+    """Parse and validate a PatchFleet `spec`; raises SpecError naming every bad field."""
+    r = _Reader()
+    if not isinstance(spec, Mapping):
+        raise SpecError([FieldError("spec", "must be an object")])
+    r.known(dict(spec), "spec", ("selector", "patches"))
+    selector = _selector(r, spec.get("selector"), "spec.selector")
+    raw = spec.get("patches") or []
+    if not isinstance(raw, list) or len(raw) > 32:
+        r.fail("spec.patches", "must be a list of at most 32 patches")
+        raw = []
+    patches, names = [], set()
+    for i, item in enumerate(raw):
+        p = _patch(r, item, f"spec.patches[{i}]")
+        if p.name in names:
+            r.fail(f"spec.patches[{i}].name", f"duplicate patch {p.name!r}: a fleet runs one version of each")
+        names.add(p.name)
+        patches.append(p)
+    if r.errors:
+        raise SpecError(r.errors)
+    return FleetSpec(selector, tuple(sorted(patches, key=lambda p: p.name)))
+
+
+def patch_to_dict(patch: PatchSpec) -> dict[str, Any]:
+    """A PatchSpec as a manifest spells it (what a PatchFleet records on promotion)."""
+    src = patch.source
+    source: dict[str, Any] = ({"builtin": {}} if src.builtin else
+                              {"configMap": {"name": src.config_map, "key": src.key}, "digest": src.digest})
+    out: dict[str, Any] = {"name": patch.name, "version": patch.version, "source": source}
+    if patch.config:
+        out["config"] = copy.deepcopy(patch.config)
+    return out

@@ -127,6 +127,10 @@ class RolloutStatus:
     full_promotion: bool = False
     observed_generation: int = 0
     pause_generation: int | None = None # the generation at which the analysis asked for a pause
+    fleet: str = ""                     # the PatchFleet this rollout acts on
+    canary_pods: int = 0                # Ready pods on the canary track
+    traffic_share: float = 0.0          # the canary's real share of traffic, percent
+    conditions: list[dict[str, Any]] = field(default_factory=list)
     pods: list[PodRecord] = field(default_factory=list)
     analysis: AnalysisStatus = field(default_factory=AnalysisStatus)
 
@@ -138,7 +142,6 @@ class RolloutStatus:
 
     def to_dict(self) -> dict[str, Any]:
         """The status as stored; fields with no value are written as None so a merge patch clears them."""
-        healthy = self.analysis.verdict in (None, "Successful")
         return {
             "phase": self.phase, "reason": self.reason, "message": self.message, "patch": self.patch,
             "stepIndex": self.step_index, "weight": self.weight,
@@ -146,16 +149,37 @@ class RolloutStatus:
             "startedAt": to_time(self.started_at), "stepStartedAt": to_time(self.step_started_at),
             "stepReadyAt": to_time(self.step_ready_at), "endPhase": self.end_phase or None, "cause": self.cause or None,
             "fullPromotion": self.full_promotion, "observedGeneration": self.observed_generation,
-            "pauseGeneration": self.pause_generation,
+            "pauseGeneration": self.pause_generation, "fleet": self.fleet or None,
+            "step": self.step_index + 1, "canaryPods": self.canary_pods, "trafficShare": self.traffic_share,
             "pods": [p.to_dict() for p in self.pods],
             "analysis": self.analysis.to_dict(),
-            "conditions": [
-                {"type": "Completed", "status": str(self.phase in ("Promoted", "RolledBack", "Failed")),
-                 "reason": self.reason or self.phase, "message": self.message},
-                {"type": "Healthy", "status": str(healthy),
-                 "reason": self.analysis.verdict or "NotAnalysed", "message": ""},
-            ],
+            "conditions": self.conditions or None,
         }
+
+    def refresh_conditions(self, now: float) -> None:
+        """Conditions as the Kubernetes API conventions spell them; a transition time moves only when
+        a condition's status does (so `kubectl wait --for=condition=Promoted` works)."""
+        verdict = self.analysis.verdict
+        wanted = [
+            ("Progressing", self.phase in (PROGRESSING, ROLLING_BACK),
+             self.reason or self.phase, self.message),
+            ("Promoted", self.phase == PROMOTED, "Promoted" if self.phase == PROMOTED else self.phase,
+             self.message if self.phase == PROMOTED else ""),
+            ("Healthy", verdict in (None, "Successful"), verdict or "NotAnalysed",
+             "; ".join(r.message for r in self.analysis.results if r.verdict not in ("Successful", "Skipped")
+                       and not r.dry_run)[:1024]),
+            ("Completed", self.phase in FINAL, self.reason or self.phase, self.message if self.phase in FINAL else ""),
+        ]
+        old = {c.get("type"): c for c in self.conditions}
+        out = []
+        for kind, ok, reason, message in wanted:
+            status = "True" if ok else "False"
+            before = old.get(kind)
+            moved = before is None or before.get("status") != status
+            out.append({"type": kind, "status": status, "reason": _reason(reason), "message": message,
+                        "lastTransitionTime": to_time(now) if moved else before.get("lastTransitionTime"),
+                        "observedGeneration": self.observed_generation})
+        self.conditions = out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "RolloutStatus":
@@ -169,9 +193,17 @@ class RolloutStatus:
             end_phase=d.get("endPhase") or "", cause=d.get("cause") or "", full_promotion=bool(d.get("fullPromotion")),
             observed_generation=int(d.get("observedGeneration") or 0),
             pause_generation=None if d.get("pauseGeneration") is None else int(d["pauseGeneration"]),
+            fleet=d.get("fleet") or "", canary_pods=int(d.get("canaryPods") or 0),
+            traffic_share=float(d.get("trafficShare") or 0.0),
+            conditions=[dict(c) for c in d.get("conditions") or []],
             pods=[PodRecord.from_dict(p) for p in d.get("pods") or []],
             analysis=AnalysisStatus.from_dict(d.get("analysis")),
         )
+
+
+def _reason(text: str) -> str:
+    """A condition reason is CamelCase, no spaces (the API conventions)."""
+    return "".join(ch for ch in text if ch.isalnum()) or "Unknown"
 
 
 def _compact(d: dict[str, Any]) -> dict[str, Any]:

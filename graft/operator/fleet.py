@@ -1,0 +1,237 @@
+"""The fleet controller: every PatchFleet's pods converged to its patches, for good.
+
+Each tick (a kopf timer per PatchFleet) it lists the pods the fleet's selector matches, asks each
+running engine its revision, calls the pure `graft.rollout.fleet.converge`, and carries out what it
+returns: pod labels and annotations first, then one admin call per pod, then the pod's readiness-gate
+condition `graft.dev/patched`. While a rollout is active on the fleet (its `status.fleet` names it),
+the pods the rollout acts on (Ready ones) are its own, and the rollout's patch is left alone.
+
+The rollout side (graft.operator.reconcile) finds or creates the fleet when a rollout starts, and
+records the patch in the fleet when the rollout is promoted.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from graft.operator import pods as podsmod
+from graft.operator.admin import AdminError
+from graft.operator.bundles import BundleError, load_source
+from graft.operator.kube import Kube, fleet_path, pods_path, rollouts_path
+from graft.operator.runtime import Runtime, TokenError
+from graft.rollout.fleet import (PATCHED_CONDITION, ApplyPatch, FleetPod, MarkPod, RevertPatch, SetPatched,
+                                 adopt, converge, desired_revision, with_promoted)
+from graft.rollout.revision import patches_of
+from graft.rollout.spec import (FleetSpec, LabelSelector, PatchSpec, SpecError, parse_fleet_spec,
+                                patch_to_dict)
+from graft.rollout.status import FINAL, PENDING, to_time
+
+ACTIVE_PHASES = ("Progressing", "Paused", "RollingBack")
+
+
+@dataclass(slots=True)
+class FleetResult:
+    status: dict[str, Any]
+    events: list[tuple[str, str, str]] = field(default_factory=list)   # (reason, message, type)
+
+
+def _containers_running(pod: dict[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+    return (status.get("phase") == "Running" and bool(status.get("podIP"))
+            and (conditions.get("ContainersReady") == "True" or conditions.get("Ready") == "True"))
+
+
+def _patched(pod: dict[str, Any]) -> bool | None:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == PATCHED_CONDITION:
+            return c.get("status") == "True"
+    return None
+
+
+async def active_rollout(kube: Kube, namespace: str, fleet: str) -> dict[str, Any] | None:
+    """The rollout acting on `fleet` now (oldest first), or None."""
+    rollouts = await kube.list(rollouts_path(namespace))
+    active = [r for r in rollouts if (r.get("status") or {}).get("fleet") == fleet
+              and (r.get("status") or {}).get("phase") in ACTIVE_PHASES]
+    active.sort(key=lambda r: (r["metadata"].get("creationTimestamp") or "", r["metadata"]["name"]))
+    return active[0] if active else None
+
+
+async def reconcile_fleet(rt: Runtime, body: dict[str, Any]) -> FleetResult:
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    old_status = body.get("status") or {}
+    try:
+        spec = parse_fleet_spec(body.get("spec") or {})
+    except SpecError as e:
+        return await _write(rt, body, {**old_status, "conditions": _conditions(
+            old_status, False, "InvalidSpec", f"invalid spec: {e}", meta)},
+            [("InvalidSpec", f"invalid spec: {e}", "Warning")])
+    rollout = await active_rollout(rt.kube, namespace, name)
+    rollout_patch = ((rollout.get("spec") or {}).get("patch") or {}).get("name") if rollout else None
+    raw = await podsmod.list_pods(rt.kube, namespace, spec.selector.to_query())
+    try:
+        admin = await rt.admin()
+    except TokenError as e:
+        return await _write(rt, body, {**old_status, "conditions": _conditions(
+            old_status, False, e.problem.reason, e.problem.message, meta)}, [])
+    fleet_pods = await asyncio.gather(*(_observe(rt, admin, p) for p in raw))
+    plan = converge(spec.patches, list(fleet_pods), rollout_patch=rollout_patch)
+    by_name = {p["metadata"]["name"]: p for p in raw}
+    errors: dict[str, str] = {}
+    # labels and annotations first, then the engines, then the gates
+    for kind in (MarkPod, (ApplyPatch, RevertPatch), SetPatched):
+        group = [a for a in plan.actions if isinstance(a, kind)]
+        await asyncio.gather(*(_act(rt, admin, namespace, by_name[a.pod], a, errors) for a in group))
+    pending = [{"name": n, "reason": errors.get(n, why)} for n, why in sorted(plan.pending.items())]
+    revision = desired_revision(spec.patches)
+    converged = len(plan.converged)
+    ok = not pending
+    message = (f"all {len(raw)} pods run {revision}" if ok else
+               f"{converged} of {len(raw)} pods run {revision}; pending: "
+               + ", ".join(f"{p['name']} ({p['reason']})" for p in pending))
+    status = {"revision": revision, "observedGeneration": meta.get("generation", 0), "pods": len(raw),
+              "converged": converged, "pending": pending,
+              "activeRollout": rollout["metadata"]["name"] if rollout else None,
+              "conditions": _conditions(old_status, ok, "Converged" if ok else "Converging", message, meta)}
+    events = []
+    if (old_status.get("converged"), old_status.get("pods"), old_status.get("revision")) != (converged, len(raw), revision):
+        events.append(("FleetConverged" if ok else "FleetConverging", message, "Normal"))
+    return await _write(rt, body, status, events)
+
+
+async def _observe(rt: Runtime, admin, pod: dict[str, Any]) -> FleetPod:
+    obs = podsmod.observe_pod(pod)
+    fp = FleetPod(obs.name, running=_containers_running(pod), ready=obs.ready, track=obs.track,
+                  patches=obs.patches, patched=_patched(pod))
+    if not fp.running:
+        return fp
+    try:
+        address = podsmod.admin_address(pod, rt.settings.admin_port)
+        if address is None:
+            fp.error = "no pod IP yet"
+            return fp
+        fp.revision = await admin.revision(*address)
+    except (AdminError, ValueError) as e:
+        fp.error = str(e)
+    return fp
+
+
+async def _act(rt: Runtime, admin, namespace: str, pod: dict[str, Any], action, errors: dict[str, str]) -> None:
+    name = pod["metadata"]["name"]
+    try:
+        match action:
+            case MarkPod(_, track, revision):
+                await podsmod.label_pod(rt.kube, namespace, name, track, revision)
+            case ApplyPatch(_, patch):
+                source = await load_source(rt.kube, namespace, patch)
+                running = {r.partition("@")[0] for r in patches_of(_revision_of(pod) or "")}
+                await admin.apply(*podsmod.admin_address(pod, rt.settings.admin_port), patch.name, patch.version,
+                                  source, patch.config, **({"replace": True} if patch.name in running else {}))
+            case RevertPatch(_, patch_name):
+                await admin.revert(*podsmod.admin_address(pod, rt.settings.admin_port), patch_name)
+            case SetPatched(_, value, message):
+                await set_condition(rt.kube, namespace, pod, PATCHED_CONDITION, value,
+                                    "Patched" if value else "Converging", message)
+    except BundleError as e:
+        errors[name] = e.problem.message
+    except (AdminError, ValueError, TypeError) as e:
+        errors[name] = str(e)
+
+
+def _revision_of(pod: dict[str, Any]) -> str | None:
+    return (pod["metadata"].get("annotations") or {}).get(podsmod.PATCHES_ANNOTATION)
+
+
+async def set_condition(kube: Kube, namespace: str, pod: dict[str, Any], kind: str, value: bool,
+                        reason: str, message: str) -> None:
+    """Set one condition in the pod's status, keeping every other condition as it is."""
+    import time
+    conditions = [c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") != kind]
+    conditions.append({"type": kind, "status": "True" if value else "False", "reason": reason,
+                       "message": message, "lastTransitionTime": to_time(time.time())})
+    await kube.merge_patch(pods_path(namespace, pod["metadata"]["name"]) + "/status",
+                           {"status": {"conditions": conditions}})
+
+
+def _conditions(old: dict[str, Any], ok: bool, reason: str, message: str, meta: dict[str, Any]) -> list[dict]:
+    import time
+    before = next((c for c in old.get("conditions") or [] if c.get("type") == "Converged"), None)
+    status = "True" if ok else "False"
+    changed = before is None or before.get("status") != status
+    return [{"type": "Converged", "status": status, "reason": reason, "message": message,
+             "lastTransitionTime": to_time(time.time()) if changed else before.get("lastTransitionTime"),
+             "observedGeneration": meta.get("generation", 0)}]
+
+
+async def _write(rt: Runtime, body: dict[str, Any], status: dict[str, Any], events) -> FleetResult:
+    meta = body["metadata"]
+    if status != (body.get("status") or {}):
+        await rt.kube.merge_patch(fleet_path(meta["namespace"], meta["name"]) + "/status", {"status": status})
+    return FleetResult(status, events)
+
+
+# the rollout side
+def fleet_name_for(selector: LabelSelector) -> str:
+    """A readable name for a new fleet: the selector's app label, else a hash of the selector."""
+    labels = selector.match_labels
+    for key in ("app.kubernetes.io/name", "app"):
+        value = labels.get(key, "")
+        if value and len(value) <= 63 and value[0].isalnum():
+            return value.lower()
+    return "fleet-" + hashlib.sha256(selector.to_query().encode()).hexdigest()[:10]
+
+
+async def find_fleet(kube: Kube, namespace: str, selector: LabelSelector) -> str | None:
+    """The fleet whose selector is `selector`, if one exists."""
+    query = selector.to_query()
+    for fleet in await kube.list(fleet_path(namespace)):
+        try:
+            if parse_fleet_spec(fleet.get("spec") or {}).selector.to_query() == query:
+                return fleet["metadata"]["name"]
+        except SpecError:
+            continue
+    return None
+
+
+async def find_or_create_fleet(kube: Kube, namespace: str, selector: LabelSelector, stable_revision: str) -> str:
+    """The fleet whose selector is `selector`; created, adopting what its pods run, when none is."""
+    found = await find_fleet(kube, namespace, selector)
+    if found is not None:
+        return found
+    query = selector.to_query()
+    name = fleet_name_for(selector)
+    if await kube.get(fleet_path(namespace, name)) is not None:
+        name = "fleet-" + hashlib.sha256(query.encode()).hexdigest()[:10]
+    spec: dict[str, Any] = {"selector": _selector_dict(selector),
+                            "patches": [patch_to_dict(p) for p in adopt(stable_revision)]}
+    await kube.create(fleet_path(namespace), {"apiVersion": "graft.dev/v1alpha1", "kind": "PatchFleet",
+                                              "metadata": {"name": name, "namespace": namespace}, "spec": spec})
+    return name
+
+
+def _selector_dict(selector: LabelSelector) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if selector.match_labels:
+        out["matchLabels"] = dict(selector.match_labels)
+    if selector.match_expressions:
+        out["matchExpressions"] = [{"key": k, "operator": op, **({"values": list(v)} if v else {})}
+                                   for k, op, v in selector.match_expressions]
+    return out
+
+
+async def record_promotion(kube: Kube, namespace: str, fleet: str, patch: PatchSpec) -> None:
+    """Write a promoted patch into the fleet (replacing another version of it)."""
+    body = await kube.get(fleet_path(namespace, fleet))
+    if body is None:
+        return
+    current = parse_fleet_spec(body.get("spec") or {})
+    patches = with_promoted(current.patches, patch)
+    await kube.merge_patch(fleet_path(namespace, fleet), {"spec": {"patches": [patch_to_dict(p) for p in patches]}})
+
+
+__all__ = ["reconcile_fleet", "find_or_create_fleet", "record_promotion", "active_rollout", "FleetSpec",
+           "PENDING", "FINAL"]

@@ -1,0 +1,168 @@
+"""A fleet's durable patch state: what every engine pod of a fleet runs outside a rollout's canaries.
+
+A `PatchFleet` records, for one set of engine pods (its selector), the patches they run: the fleet's
+stable revision. A promotion writes it; the fleet controller converges every matching pod to it,
+continuously and whatever happens to the pods (scale-up, eviction, a restarted container, a pod that
+was not Ready while a rollout acted):
+
+1. the pod's `graft.dev/patches` annotation and `graft.dev/track: stable` label are made right first,
+   so a container that restarts comes back with the fleet's patches (through `GRAFT_PATCHES`);
+2. then its engine, one admin call per pod per tick: a missing patch is applied (another version of
+   the same patch is replaced), a patch the fleet does not hold is reverted;
+3. once the engine answers with the fleet's revision, the pod's readiness gate condition
+   `graft.dev/patched` is set True: with the gate declared, the pod takes no traffic before then.
+
+While a rollout is active on the fleet, the patch it rolls out belongs to it: the fleet controller
+neither applies nor reverts that patch (by name) on any pod, and leaves the Ready pods' labels to
+the rollout; everything else still converges. `converge` is pure: the operator observes, calls it,
+and carries out the actions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from graft.rollout.revision import patch_ref, patches_of, revision_of
+from graft.rollout.spec import PatchSpec
+
+PATCHED_CONDITION = "graft.dev/patched"
+STABLE = "stable"
+
+
+@dataclass(slots=True, frozen=True)
+class ApplyPatch:
+    """POST the patch to the pod's engine (replacing another version of it when one is applied)."""
+    pod: str
+    patch: PatchSpec
+
+
+@dataclass(slots=True, frozen=True)
+class RevertPatch:
+    """DELETE the patch named `name` from the pod's engine."""
+    pod: str
+    name: str
+
+
+@dataclass(slots=True, frozen=True)
+class MarkPod:
+    """Set the pod's label graft.dev/track and annotation graft.dev/patches."""
+    pod: str
+    track: str
+    revision: str
+
+
+@dataclass(slots=True, frozen=True)
+class SetPatched:
+    """Set the pod's readiness-gate condition graft.dev/patched."""
+    pod: str
+    value: bool
+    message: str = ""
+
+
+FleetAction = ApplyPatch | RevertPatch | MarkPod | SetPatched
+
+
+@dataclass(slots=True)
+class FleetPod:
+    """One matching pod: what Kubernetes says and what its engine answered (None: not known)."""
+
+    name: str
+    running: bool = True                 # the engine container is up (Ready or held by the gate)
+    ready: bool = True                   # the pod's Ready condition
+    track: str | None = None
+    patches: str | None = None           # annotation graft.dev/patches
+    patched: bool | None = None          # condition graft.dev/patched
+    revision: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class FleetPlan:
+    actions: list[FleetAction] = field(default_factory=list)
+    converged: list[str] = field(default_factory=list)
+    pending: dict[str, str] = field(default_factory=dict)   # pod -> why it is not there yet
+
+
+def desired_revision(patches: list[PatchSpec] | tuple[PatchSpec, ...]) -> str:
+    return revision_of(p.ref for p in patches)
+
+
+def converge(patches: list[PatchSpec] | tuple[PatchSpec, ...], pods: list[FleetPod], *,
+             rollout_patch: str | None = None) -> FleetPlan:
+    """The actions that bring every pod to the fleet's patches.
+
+    `rollout_patch`: the name of the patch an active rollout on this fleet owns (left alone), or None.
+    """
+    plan = FleetPlan()
+    wanted = {p.name: p for p in patches if p.name != rollout_patch}
+    target = desired_revision(patches)
+    for pod in sorted(pods, key=lambda p: p.name):
+        owned_by_rollout = rollout_patch is not None and pod.ready
+        if not owned_by_rollout:
+            # the annotation first: a restart must bring back the right code, whatever happens next
+            annotation = _with_rollout_patch(target, pod.revision, rollout_patch)
+            if pod.patches != annotation or pod.track != STABLE:
+                plan.actions.append(MarkPod(pod.name, STABLE, annotation))
+        if not pod.running:
+            plan.pending[pod.name] = "not running"
+            continue
+        if pod.revision is None:
+            plan.pending[pod.name] = pod.error or "the engine did not answer"
+            continue
+        step = _next_step(wanted, pod, rollout_patch)
+        if step is not None:
+            plan.actions.append(step)
+            plan.pending[pod.name] = (f"applying {step.patch.ref}" if isinstance(step, ApplyPatch)
+                                      else f"reverting {step.name}")
+            if pod.patched:
+                plan.actions.append(SetPatched(pod.name, False, f"converging to {target}"))
+            continue
+        plan.converged.append(pod.name)
+        if pod.patched is not True:
+            plan.actions.append(SetPatched(pod.name, True, f"runs {pod.revision}"))
+    return plan
+
+
+def _next_step(wanted: dict[str, PatchSpec], pod: FleetPod, rollout_patch: str | None) -> FleetAction | None:
+    running = {ref.partition("@")[0]: ref for ref in patches_of(pod.revision or "")}
+    for name, patch in sorted(wanted.items()):
+        if running.get(name) != patch.ref:
+            return ApplyPatch(pod.name, patch)
+    for name in sorted(running):
+        if name not in wanted and name != rollout_patch:
+            return RevertPatch(pod.name, name)
+    return None
+
+
+def _with_rollout_patch(target: str, revision: str | None, rollout_patch: str | None) -> str:
+    """The annotation for a pod outside the rollout's hands: the fleet's patches, plus the rollout's
+    patch as the engine runs it now (the rollout decides about that one)."""
+    if rollout_patch is None or revision is None:
+        return target
+    keep = [ref for ref in patches_of(revision) if ref.partition("@")[0] == rollout_patch]
+    others = [ref for ref in patches_of(target) if ref.partition("@")[0] != rollout_patch]
+    return revision_of(others + keep)
+
+
+def with_promoted(patches: list[PatchSpec] | tuple[PatchSpec, ...], patch: PatchSpec) -> list[PatchSpec]:
+    """The fleet's patches once `patch` is promoted: it replaces any other version of itself."""
+    return sorted([p for p in patches if p.name != patch.name] + [patch], key=lambda p: p.name)
+
+
+def without(patches: list[PatchSpec] | tuple[PatchSpec, ...], name: str) -> list[PatchSpec]:
+    """The fleet's patches once the patch `name` is undone."""
+    return [p for p in patches if p.name != name]
+
+
+def adopt(revision: str) -> list[PatchSpec]:
+    """Patches for a new fleet from what its pods run already (built-in sources assumed), so creating
+    a fleet never reverts a patch applied before it existed."""
+    from graft.rollout.spec import PatchSource
+    out = []
+    for ref in patches_of(revision):
+        name, _, version = ref.partition("@")
+        out.append(PatchSpec(name, version, PatchSource(builtin=True)))
+    return out
+
+
+__all__ = ["ApplyPatch", "RevertPatch", "MarkPod", "SetPatched", "FleetPod", "FleetPlan", "converge",
+           "desired_revision", "with_promoted", "without", "adopt", "PATCHED_CONDITION", "patch_ref"]
