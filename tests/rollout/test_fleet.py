@@ -1,0 +1,235 @@
+"""The fleet's durable patch state: every pod converges to it, whatever happens to the pods.
+
+The harness plays a fleet of engine pods (tests/rollout/rollout_fleet.py) with two controllers, as
+the operator runs them: the rollout (decide) and the fleet controller (converge), each tick, while
+pods appear, restart, go un-Ready and vanish. A restarted engine comes back running what its
+`graft.dev/patches` annotation says (the Downward API), exactly as a real one.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graft.rollout.fleet import (ApplyPatch, FleetPod, MarkPod, RevertPatch, SetPatched, converge,
+                                 desired_revision, with_promoted)
+from graft.rollout.revision import BASE, has_patch, patches_of, revision_of
+from graft.rollout.spec import PatchSource, PatchSpec
+from graft.rollout.status import FINAL, RolloutStatus
+from tests.rollout.rollout_fleet import Fleet, healthy, make_spec
+
+KV = PatchSpec("kv-align", "3.2.1", PatchSource(builtin=True))
+SYNC = PatchSpec("sync-free", "3.2.1", PatchSource(builtin=True))
+
+
+def pod(name, revision="base", **kw):
+    return FleetPod(name, revision=revision, patches=kw.pop("patches", revision), track=kw.pop("track", "stable"), **kw)
+
+
+def test_a_new_pod_is_annotated_first_then_patched_one_step_at_a_time_then_let_in():
+    plan = converge([KV, SYNC], [pod("new", patches=None, track=None, patched=None)])
+    assert plan.actions[0] == MarkPod("new", "stable", "kv-align@3.2.1,sync-free@3.2.1")
+    assert plan.actions[1] == ApplyPatch("new", KV)
+    assert "new" in plan.pending and not plan.converged
+    assert not any(isinstance(a, SetPatched) and a.value for a in plan.actions)
+    done = converge([KV, SYNC], [pod("new", "kv-align@3.2.1,sync-free@3.2.1")])
+    assert done.converged == ["new"] and SetPatched("new", True, "runs kv-align@3.2.1,sync-free@3.2.1") in done.actions
+
+
+def test_a_patch_the_fleet_does_not_hold_is_reverted_and_an_old_version_replaced():
+    plan = converge([PatchSpec("kv-align", "3.2.2", PatchSource(builtin=True))], [pod("a", "fault@1,kv-align@3.2.1")])
+    assert plan.actions[-1] == ApplyPatch("a", PatchSpec("kv-align", "3.2.2", PatchSource(builtin=True)))
+    plan = converge([PatchSpec("kv-align", "3.2.2", PatchSource(builtin=True))], [pod("a", "fault@1,kv-align@3.2.2")])
+    assert plan.actions[-1] == RevertPatch("a", "fault")
+
+
+def test_an_active_rollout_keeps_its_patch_and_its_ready_pods():
+    # a Ready canary runs the rollout's patch: the fleet touches neither it nor its label
+    plan = converge([KV], [pod("canary", "kv-align@3.2.1,sync-free@3.2.1", track="canary", patched=True)],
+                    rollout_patch="sync-free")
+    assert not any(isinstance(a, (MarkPod, RevertPatch)) for a in plan.actions)
+    # a pod that is not Ready yet (held by its gate) joins on the fleet's revision, without the rollout's patch
+    plan = converge([KV], [pod("new", patches=None, track=None, ready=False)], rollout_patch="sync-free")
+    assert plan.actions[0] == MarkPod("new", "stable", "kv-align@3.2.1")
+
+
+def test_promotion_replaces_the_same_patch_and_keeps_the_others():
+    kv2 = PatchSpec("kv-align", "3.2.2", PatchSource(builtin=True))
+    assert [p.ref for p in with_promoted([KV, SYNC], kv2)] == ["kv-align@3.2.2", "sync-free@3.2.1"]
+    assert desired_revision([]) == BASE
+
+
+# the two controllers together, under churn
+class World:
+    """Pods, a rollout of kv-align@3.2.1 and the fleet controller, ticking together."""
+
+    def __init__(self, n: int, gateway: bool, fail_at: int | None):
+        self.spec = make_spec(trafficRouting=({"gatewayAPI": {"httpRoute": "r", "stableService": "s",
+                                                              "canaryService": "c"}} if gateway else {"podRatio": {}}))
+        self.fleet = Fleet.of(self.spec, n, gateway=gateway)
+        self.status = RolloutStatus()
+        self.patches: list[PatchSpec] = []            # the PatchFleet's spec.patches
+        self.fail_at = fail_at
+        self.next_pod = n
+        self.now = 0.0
+        self.promoted_at: float | None = None
+
+    def measurements(self):
+        from tests.rollout.rollout_fleet import breaching
+        if self.fail_at is not None and self.now >= self.fail_at:
+            return breaching(self.spec, "error-rate", role="breaker")
+        return healthy(self.spec)
+
+    def rollout_tick(self):
+        from graft.rollout.machine import analysis_due
+        if self.status.phase in FINAL:
+            return
+        before = self.status.phase
+        m = self.measurements() if analysis_due(self.spec, self.status, self.now) else None
+        self.status = self.fleet.tick(self.status, self.now, m)
+        if self.status.phase == "Promoted" and before != "Promoted":
+            self.patches = with_promoted(self.patches, self.spec.patch)
+            self.promoted_at = self.now
+
+    def fleet_tick(self):
+        active = self.status.phase not in FINAL and self.status.phase != "Pending"
+        pods = [FleetPod(p.name, running=p.ready, ready=p.ready, track=p.track, patches=p.patches,
+                         revision=p.revision if p.ready else None) for p in self.fleet.pods.values()]
+        plan = converge(self.patches, pods, rollout_patch=self.spec.patch.name if active else None)
+        for a in plan.actions:
+            p = self.fleet.pods[a.pod]
+            if isinstance(a, MarkPod):
+                p.track, p.patches = a.track, a.revision
+            elif isinstance(a, ApplyPatch):
+                p.revision = revision_of([r for r in patches_of(p.revision) if r.partition("@")[0] != a.patch.name]
+                                         + [a.patch.ref])
+            elif isinstance(a, RevertPatch):
+                p.revision = revision_of(r for r in patches_of(p.revision) if r.partition("@")[0] != a.name)
+
+    def churn(self, event: tuple[str, int]):
+        kind, i = event
+        names = sorted(self.fleet.pods)
+        if kind == "add" or not names:
+            name = f"pod-{self.next_pod}"
+            self.next_pod += 1
+            self.fleet.add(name)            # a new pod starts with no annotation: base
+            return
+        p = self.fleet.pods[names[i % len(names)]]
+        if kind == "restart":
+            p.container += 1
+            p.restarts += 1
+            p.revision = p.patches or BASE  # the engine comes back with its annotation
+        elif kind == "unready":
+            p.ready = not p.ready
+        elif kind == "vanish" and len(names) > 1:
+            del self.fleet.pods[p.name]
+
+    def tick(self, event=None):
+        if event is not None:
+            self.churn(event)
+        self.rollout_tick()
+        self.fleet_tick()
+        self.now += 1.0
+
+
+events = st.lists(st.one_of(st.none(), st.tuples(st.sampled_from(["add", "restart", "unready", "vanish"]),
+                                                 st.integers(0, 20))), min_size=0, max_size=80)
+
+
+@given(n=st.integers(1, 6), gateway=st.booleans(), fail_at=st.one_of(st.none(), st.integers(5, 60)),
+       churn=events)
+@settings(max_examples=150, deadline=None)
+def test_every_pod_ends_with_the_revision_label_and_annotation_of_the_final_phase(n, gateway, fail_at, churn):
+    w = World(n, gateway, fail_at)
+    for event in churn:
+        w.tick(event)
+    for p in w.fleet.pods.values():       # churn stops; every pod comes back
+        p.ready = True
+    for _ in range(400):
+        w.tick()
+        if w.status.phase in FINAL and all(
+                (p.track, p.patches, p.revision) == ("stable", desired_revision(w.patches), desired_revision(w.patches))
+                for p in w.fleet.pods.values()):
+            break
+    assert w.status.phase in ("Promoted", "RolledBack"), (w.status.phase, w.status.message)
+    promoted = w.status.phase == "Promoted"
+    if promoted:          # never past a failing analysis (the test's own clock says when it started failing)
+        assert fail_at is None or w.promoted_at < fail_at
+    else:                 # a healthy rollout ends rolled back only for a reason other than its analysis
+        assert fail_at is not None or w.status.reason != "AnalysisFailed", w.status.message
+    for p in w.fleet.pods.values():
+        assert has_patch(p.revision, w.spec.patch.ref) == promoted, (p, w.status.phase)
+        assert has_patch(p.patches, w.spec.patch.ref) == promoted, (p, w.status.phase)
+        assert p.track == "stable", p
+        assert p.revision == p.patches == desired_revision(w.patches), p
+
+
+def test_a_pod_added_after_promotion_runs_the_promoted_revision():
+    w = World(2, False, None)
+    while w.status.phase != "Promoted":
+        w.tick()
+    w.churn(("add", 0))                   # scaled up: the new pod starts on base
+    newcomer = w.fleet.pods["pod-2"]
+    assert (newcomer.revision, newcomer.patches) == ("base", None)
+    w.fleet_tick()                        # annotation first, then the engine: one tick
+    assert (newcomer.track, newcomer.patches, newcomer.revision) == ("stable", "kv-align@3.2.1", "kv-align@3.2.1")
+
+
+def test_a_canary_restarting_during_the_rollback_comes_back_clean():
+    w = World(3, False, fail_at=10**9)
+    while not any(p.track == "canary" and has_patch(p.revision, w.spec.patch.ref) for p in w.fleet.pods.values()):
+        w.tick()
+    canary = next(p for p in w.fleet.pods.values() if p.track == "canary")
+    canary.ready = False                  # restarting: the rollout cannot reach it
+    w.fail_at = w.now
+    while w.status.phase != "RolledBack":
+        w.tick()
+    # its label and annotation were made right while it was away
+    assert (canary.track, canary.patches) == ("stable", "base")
+    w.tick(("restart", sorted(w.fleet.pods).index(canary.name)))
+    canary.ready = True
+    w.tick()
+    assert canary.revision == "base"
+
+
+def test_a_returning_canary_leaves_no_surplus_canary():
+    from graft.rollout.machine import canary_target
+    w = World(3, False, None)
+    w.spec = dataclasses.replace(w.spec, steps=(dataclasses.replace(w.spec.steps[0], pause=60.0),) + w.spec.steps[1:])
+    w.fleet.spec = w.spec
+    while not any(p.track == "canary" for p in w.fleet.pods.values()):
+        w.tick()
+    first = next(p for p in w.fleet.pods.values() if p.track == "canary")
+    first.ready = False                   # a replacement canary is picked
+    for _ in range(3):
+        w.tick()
+    assert sum(p.track == "canary" for p in w.fleet.pods.values() if p.ready) == 1
+    first.ready = True                    # it comes back after a restart, with its annotation's patch
+    first.container += 1
+    first.restarts += 1
+    first.revision = first.patches
+    for _ in range(3):
+        w.tick()
+        ready = [p for p in w.fleet.pods.values() if p.ready]
+        canaries = [p.name for p in ready if p.track == "canary"]
+        assert w.status.step_index == 0
+        assert len(canaries) == canary_target(len(ready), 1) == 1, canaries
+        assert sum(has_patch(p.revision, w.spec.patch.ref) for p in ready) == 1
+    assert "CanaryReturned" in w.fleet.reasons()
+
+
+def test_the_rollback_itself_relabels_a_canary_that_is_not_ready():
+    # the rollout alone (no fleet controller): its rollback must reach the pod's label and annotation
+    w = World(3, False, fail_at=10**9)
+    while not any(p.track == "canary" and has_patch(p.revision, w.spec.patch.ref) for p in w.fleet.pods.values()):
+        w.rollout_tick()
+        w.now += 1
+    canary = next(p for p in w.fleet.pods.values() if p.track == "canary")
+    canary.ready = False
+    w.fail_at = w.now
+    for _ in range(20):
+        w.rollout_tick()
+        w.now += 1
+    assert w.status.phase == "RolledBack"
+    assert (canary.track, canary.patches) == ("stable", "base")
