@@ -59,7 +59,9 @@ def test_names_scope_columns_and_status_subresource():
     assert names["kind"] == "PatchRollout" and names["shortNames"] == ["prl"]
     assert VERSION["name"] == "v1alpha1" and VERSION["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in VERSION["additionalPrinterColumns"]}
-    assert columns == {"Phase": ".status.phase", "Step": ".status.stepIndex", "Weight": ".status.weight",
+    # the step is counted from 1, as in Events and the CLI; the real traffic share shows with -o wide
+    assert columns == {"Phase": ".status.phase", "Step": ".status.step", "Weight": ".status.weight",
+                       "Share": ".status.trafficShare",
                        "Canary": ".status.canaryRevision", "Stable": ".status.stableRevision",
                        "Age": ".metadata.creationTimestamp"}
 
