@@ -22,7 +22,7 @@ from graft.operator.bundles import BundleError, load_source
 from graft.operator.kube import Kube, fleet_path, pods_path, rollouts_path
 from graft.operator.runtime import Runtime, TokenError
 from graft.rollout.fleet import (PATCHED_CONDITION, ApplyPatch, FleetPod, MarkPod, RevertPatch, SetPatched,
-                                 adopt, converge, desired_revision, with_promoted)
+                                 adopt, converge, desired_revision, with_promoted, without)
 from graft.rollout.revision import patches_of
 from graft.rollout.spec import (FleetSpec, LabelSelector, PatchSpec, SpecError, parse_fleet_spec,
                                 patch_to_dict)
@@ -223,13 +223,14 @@ def _selector_dict(selector: LabelSelector) -> dict[str, Any]:
     return out
 
 
-async def record_promotion(kube: Kube, namespace: str, fleet: str, patch: PatchSpec) -> None:
-    """Write a promoted patch into the fleet (replacing another version of it)."""
+async def record_promotion(kube: Kube, namespace: str, fleet: str, patch: PatchSpec, *, revert: bool = False) -> None:
+    """Write a promoted patch into the fleet (replacing another version of it), or, for a promoted
+    revert, take it out."""
     body = await kube.get(fleet_path(namespace, fleet))
     if body is None:
         return
     current = parse_fleet_spec(body.get("spec") or {})
-    patches = with_promoted(current.patches, patch)
+    patches = without(current.patches, patch.name) if revert else with_promoted(current.patches, patch)
     await kube.merge_patch(fleet_path(namespace, fleet), {"spec": {"patches": [patch_to_dict(p) for p in patches]}})
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from graft.operator import pods as podsmod
 from graft.operator.admin import AdminError
 from graft.operator.bundles import BundleError, load_source
-from graft.operator.kube import rollout_path
+from graft.operator.kube import fleet_path, rollout_path
 from graft.operator.routers import RouteError, Router, router_for
 from graft.operator.runtime import Runtime, TokenError
 from graft.rollout.analysis import plan_run
@@ -25,7 +25,9 @@ from graft.rollout.decision import (Action, ClearPromote, Event, LabelPod, Patch
 from graft.rollout.machine import QUEUED, analysis_due, decide, known_revision
 from graft.rollout.observation import (UNREACHABLE, Controls, Measurement, Observation, PodError,
                                        PodObservation, Problem)
-from graft.rollout.spec import RolloutSpec, SpecError, parse_spec, template_refs
+from graft.rollout.revision import patches_of
+from graft.rollout.spec import (REVERT, PatchSource, PatchSpec, RolloutSpec, SpecError, parse_fleet_spec, parse_spec,
+                                template_refs)
 from graft.rollout.status import (FAILED, FINAL, PAUSED, PENDING, PROGRESSING, ROLLING_BACK, RolloutStatus,
                                   from_time)
 
@@ -103,7 +105,7 @@ class _Tick:
         self.answered: dict[str, str] = {}       # revisions the engines gave back this tick
         self.errors: dict[str, PodError] = {}
         self.problem: Problem | None = None
-        self.source: dict[str, Any] | None = None
+        self.sources: dict[str, dict[str, Any]] = {}   # patch ref -> the POST body's source
         self.promote_done = False                # a promote control acts once, not once per round
         self.status = RolloutStatus()
 
@@ -205,7 +207,8 @@ class _Tick:
                     self.problem = self.problem or Problem(e.reason, e.message)
             case RecordPromotion():
                 if self.status.fleet:
-                    await record_promotion(self.rt.kube, self.namespace, self.status.fleet, self.spec.patch)
+                    await record_promotion(self.rt.kube, self.namespace, self.status.fleet, self.spec.patch,
+                                           revert=self.spec.action == REVERT)
             case PauseRollout():
                 await self.rt.kube.merge_patch(rollout_path(self.namespace, self.name), {"spec": {"paused": True}})
             case ClearPromote():
@@ -213,28 +216,47 @@ class _Tick:
                 await self.rt.kube.merge_patch(rollout_path(self.namespace, self.name),
                                                {"metadata": {"annotations": {PROMOTE_ANNOTATION: None}}})
 
-    async def patch_source(self) -> dict[str, Any] | None:
-        if self.source is None and self.problem is None:
+    async def patch_source(self, patch: PatchSpec) -> dict[str, Any] | None:
+        if patch.ref not in self.sources and self.problem is None:
             try:
-                self.source = await load_source(self.rt.kube, self.namespace, self.spec.patch)
+                self.sources[patch.ref] = await load_source(self.rt.kube, self.namespace, patch)
             except BundleError as e:
                 self.problem = e.problem
-        return self.source
+        return self.sources.get(patch.ref)
 
     async def patch(self, pod: str) -> None:
-        source = await self.patch_source()
+        """Bring the pod to its canary form: the patch applied (or, reverting, removed)."""
+        if self.spec.action == REVERT:
+            await self.remove(pod)
+        else:
+            await self.apply(pod, self.spec.patch)
+
+    async def unpatch(self, pod: str) -> None:
+        """Bring the pod back to its stable form: what it ran before this rollout."""
+        if self.spec.action == REVERT:
+            await self.apply(pod, self.spec.patch)
+        elif self.status.stable_patch:
+            await self.apply(pod, await self.stable_patch_spec())
+        else:
+            await self.remove(pod)
+
+    async def apply(self, pod: str, p: PatchSpec) -> None:
+        source = await self.patch_source(p)
         if source is None:
             return
-        p = self.spec.patch
+        # another version of the patch running there is replaced in one swap, never removed first
+        running = self.answered.get(pod) or (self.status.pod(pod).revision if self.status.pod(pod) else None)
+        replace = any(r.partition("@")[0] == p.name and r != p.ref for r in patches_of(running or ""))
         try:
             admin = await self.rt.admin()
-            self.answered[pod] = await admin.apply(*self.address(pod), p.name, p.version, source, p.config)
+            self.answered[pod] = await admin.apply(*self.address(pod), p.name, p.version, source, p.config,
+                                                   **({"replace": True} if replace else {}))
         except TokenError as e:
             self.problem = self.problem or e.problem
         except (AdminError, ValueError) as e:
             self.errors[pod] = _pod_error(e)
 
-    async def unpatch(self, pod: str) -> None:
+    async def remove(self, pod: str) -> None:
         name = (self.status.patch or self.spec.patch.ref).partition("@")[0]
         try:
             admin = await self.rt.admin()
@@ -243,6 +265,20 @@ class _Tick:
             self.problem = self.problem or e.problem
         except (AdminError, ValueError) as e:
             self.errors[pod] = _pod_error(e)
+
+    async def stable_patch_spec(self) -> PatchSpec:
+        """The version an upgrade goes back to: as the fleet records it, else a built-in of that version."""
+        name, _, version = self.status.stable_patch.partition("@")
+        if self.status.fleet:
+            fleet = await self.rt.kube.get(fleet_path(self.namespace, self.status.fleet))
+            try:
+                recorded = parse_fleet_spec((fleet or {}).get("spec") or {}).patches
+            except SpecError:
+                recorded = ()
+            for p in recorded:
+                if p.ref == self.status.stable_patch:
+                    return p
+        return PatchSpec(name, version, PatchSource(builtin=True))
 
 
 def _pod_error(e: Exception) -> PodError:

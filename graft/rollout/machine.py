@@ -18,14 +18,15 @@ patched engine reverted.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from graft.rollout import analysis as judge
 from graft.rollout.decision import (ClearPromote, Decision, Event, LabelPod, PatchPod, PauseRollout,
                                     RecordPromotion, SetWeight, UnpatchPod)
 from graft.rollout.durations import format_duration
 from graft.rollout.observation import PERMANENT_ERRORS, VERIFY_FAILED, Observation, PodObservation
-from graft.rollout.revision import has_patch, majority_stable, with_patch, without_patch
-from graft.rollout.spec import RolloutSpec
+from graft.rollout.revision import has_patch, patches_of, with_patch, without_patch
+from graft.rollout.spec import REVERT, RolloutSpec
 from graft.rollout.status import (CANARY, FAILED, FINAL, PAUSED, PENDING, PROGRESSING, PROMOTED,
                                   ROLLED_BACK, ROLLING_BACK, STABLE, PodRecord, RolloutStatus)
 
@@ -40,6 +41,28 @@ def canary_target(pods: int, weight: int) -> int:
     if pods <= 0 or weight <= 0:
         return 0
     return min(pods, max(1, math.ceil(pods * weight / 100)))
+
+
+def same_patch(revision: str, ref: str) -> str | None:
+    """The other version of `ref`'s patch in `revision` (what an upgrade replaces), or None."""
+    name = ref.partition("@")[0]
+    return next((r for r in patches_of(revision) if r.partition("@")[0] == name and r != ref), None)
+
+
+def stable_of(revisions: list[str], ref: str, reverting: bool) -> str:
+    """The revision most pods run outside the rollout: the stable side.
+
+    Applying, pods that already run `ref` (a restarted operator) count as their revision without it;
+    reverting, the stable side is what runs the patch."""
+    if reverting:
+        having = [r for r in revisions if has_patch(r, ref)] or revisions
+        return Counter(having).most_common(1)[0][0] if having else "base"
+    plain = [r for r in revisions if not has_patch(r, ref)] or [without_patch(r, ref) for r in revisions]
+    counts = Counter(plain)
+    if not counts:
+        return "base"
+    best = max(counts.values())
+    return min(r for r, c in counts.items() if c == best)
 
 
 def known_revision(status: RolloutStatus, pod: PodObservation) -> str | None:
@@ -143,8 +166,9 @@ class _Machine:
             return
         s = self.s
         s.patch = self.ref = spec.patch.ref
-        s.stable_revision = majority_stable([p.revision for p in known], self.ref)
-        s.canary_revision = with_patch(s.stable_revision, self.ref)
+        s.stable_revision = stable_of([p.revision for p in known], self.ref, self.reverting)
+        s.stable_patch = "" if self.reverting else same_patch(s.stable_revision, self.ref) or ""
+        s.canary_revision = self.canary_form(s.stable_revision)
         s.phase, s.reason, s.started_at = PROGRESSING, "Started", self.now
         first = spec.steps[0].weight
         if obs.route_weight is None and len(ready) * first < 100:
@@ -153,7 +177,7 @@ class _Machine:
                                       f"(first: {first}%) send more than they ask; use Gateway API routing "
                                       "or more pods for finer steps", WARNING)
         s.pods = [PodRecord(p.name, p.uid, p.container_id, p.restart_count,
-                            CANARY if has_patch(p.revision, self.ref) else STABLE, p.revision)
+                            CANARY if self.in_canary_form(p.revision) else STABLE, p.revision)
                   for p in obs.pods]
         self.start_step(0)
         self.progressing()
@@ -173,7 +197,7 @@ class _Machine:
         for pod in self.obs.pods:
             rec = s.pod(pod.name)
             if rec is None:
-                track = CANARY if has_patch(pod.revision, self.ref) and s.phase != ROLLING_BACK else STABLE
+                track = CANARY if self.in_canary_form(pod.revision) and s.phase != ROLLING_BACK else STABLE
                 s.pods.append(PodRecord(pod.name, pod.uid, pod.container_id, pod.restart_count, track,
                                         pod.revision))
                 continue
@@ -187,6 +211,27 @@ class _Machine:
                 rec.revision = pod.revision
         s.pods.sort(key=lambda r: r.name)
 
+    # what "patched" means: applying the rollout's patch (replacing another version of it), or, for a
+    # rollout of `action: revert`, removing it; "unpatched" is the stable form, what the pod ran before
+    @property
+    def reverting(self) -> bool:
+        return self.spec.action == REVERT
+
+    def canary_form(self, revision: str) -> str:
+        return without_patch(revision, self.ref) if self.reverting else with_patch(revision, self.ref)
+
+    def stable_form(self, revision: str) -> str:
+        if self.reverting:
+            return with_patch(revision, self.ref)
+        if self.s.stable_patch:              # an upgrade: back to the version the fleet ran
+            return with_patch(revision, self.s.stable_patch)
+        return without_patch(revision, self.ref)
+
+    def in_canary_form(self, revision: str | None) -> bool:
+        if revision is None:
+            return False
+        return not has_patch(revision, self.ref) if self.reverting else has_patch(revision, self.ref)
+
     def wants_patch(self, rec: PodRecord) -> bool:
         return self.s.phase == PROMOTED or (self.s.phase in (PROGRESSING, PAUSED) and rec.track == CANARY)
 
@@ -199,7 +244,7 @@ class _Machine:
             if rec.revision is None:
                 waiting.append(pod.name)
                 continue
-            has = has_patch(rec.revision, self.ref)
+            has = self.in_canary_form(rec.revision)
             if wants != has:
                 waiting.append(pod.name)
                 if act and pod.error is None:   # an engine that just failed is tried again next tick
@@ -211,7 +256,7 @@ class _Machine:
                 rec.patched_at = self.now
             elif not wants:
                 rec.patched_at = None
-            revision = (with_patch if wants else without_patch)(rec.revision, self.ref)
+            revision = self.canary_form(rec.revision) if wants else self.stable_form(rec.revision)
             track = STABLE if self.s.phase in FINAL + (ROLLING_BACK,) else rec.track
             if act and (pod.track != track or pod.patches != revision):
                 self.actions.append(LabelPod(pod.name, track, revision))
@@ -230,7 +275,7 @@ class _Machine:
                 continue
             wants = self.wants_patch(rec)
             base = pod.patches or rec.revision or self.s.stable_revision or "base"
-            revision = (with_patch if wants else without_patch)(base, self.ref)
+            revision = self.canary_form(base) if wants else self.stable_form(base)
             track = STABLE if self.s.phase in FINAL + (ROLLING_BACK,) else rec.track
             if pod.track != track or pod.patches != revision:
                 self.actions.append(LabelPod(pod.name, track, revision))

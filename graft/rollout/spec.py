@@ -34,6 +34,7 @@ MAX_CHECKS = 20
 MAX_QUERY = 8192
 MAX_SELECTOR_TERMS = 16
 BREAKER, GATE = "breaker", "gate"
+APPLY, REVERT = "apply", "revert"
 STEP_WINDOW = "step"
 
 # The built-in checks: what each measures and its defaults, spelled as in a manifest.
@@ -88,6 +89,7 @@ DEFAULTS: dict[str, Any] = {
     },
     "progressDeadline": "30m",
     "paused": False,
+    "action": "apply",
 }
 
 
@@ -260,6 +262,7 @@ class RolloutSpec:
     analysis: Analysis
     progress_deadline: float
     paused: bool = False
+    action: str = APPLY                # apply the patch, or revert it, step by step
 
     def step(self, index: int) -> Step:
         return self.steps[min(index, len(self.steps) - 1)]
@@ -302,7 +305,10 @@ def parse_spec(spec: Mapping[str, Any], templates: Templates | None = None) -> R
         raise SpecError([FieldError("spec", "must be an object")])
     spec = with_defaults(spec)
     r.known(spec, "spec", ("selector", "patch", "trafficRouting", "steps", "analysis",
-                           "progressDeadline", "paused"))
+                           "progressDeadline", "paused", "action"))
+    action = spec.get("action", APPLY)
+    if action not in (APPLY, REVERT):
+        r.fail("spec.action", f"must be {APPLY} or {REVERT}")
     selector = _selector(r, spec.get("selector"), "spec.selector")
     patch = _patch(r, spec.get("patch"), "spec.patch")
     routing = _routing(r, spec.get("trafficRouting"), "spec.trafficRouting")
@@ -314,7 +320,7 @@ def parse_spec(spec: Mapping[str, Any], templates: Templates | None = None) -> R
     paused = r.boolean(spec, "paused", "spec")
     if r.errors:
         raise SpecError(r.errors)
-    return RolloutSpec(selector, patch, routing, steps, analysis, deadline, paused)
+    return RolloutSpec(selector, patch, routing, steps, analysis, deadline, paused, action)
 
 
 class _Reader:

@@ -128,6 +128,7 @@ class RolloutStatus:
     observed_generation: int = 0
     pause_generation: int | None = None # the generation at which the analysis asked for a pause
     fleet: str = ""                     # the PatchFleet this rollout acts on
+    stable_patch: str = ""              # an upgrade: the version of the patch the stable side runs
     canary_pods: int = 0                # Ready pods on the canary track
     traffic_share: float = 0.0          # the canary's real share of traffic, percent
     conditions: list[dict[str, Any]] = field(default_factory=list)
@@ -150,6 +151,7 @@ class RolloutStatus:
             "stepReadyAt": to_time(self.step_ready_at), "endPhase": self.end_phase or None, "cause": self.cause or None,
             "fullPromotion": self.full_promotion, "observedGeneration": self.observed_generation,
             "pauseGeneration": self.pause_generation, "fleet": self.fleet or None,
+            "stablePatch": self.stable_patch or None,
             "step": self.step_index + 1, "canaryPods": self.canary_pods, "trafficShare": self.traffic_share,
             "pods": [p.to_dict() for p in self.pods],
             "analysis": self.analysis.to_dict(),
@@ -193,7 +195,7 @@ class RolloutStatus:
             end_phase=d.get("endPhase") or "", cause=d.get("cause") or "", full_promotion=bool(d.get("fullPromotion")),
             observed_generation=int(d.get("observedGeneration") or 0),
             pause_generation=None if d.get("pauseGeneration") is None else int(d["pauseGeneration"]),
-            fleet=d.get("fleet") or "", canary_pods=int(d.get("canaryPods") or 0),
+            fleet=d.get("fleet") or "", stable_patch=d.get("stablePatch") or "", canary_pods=int(d.get("canaryPods") or 0),
             traffic_share=float(d.get("trafficShare") or 0.0),
             conditions=[dict(c) for c in d.get("conditions") or []],
             pods=[PodRecord.from_dict(p) for p in d.get("pods") or []],

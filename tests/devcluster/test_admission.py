@@ -144,6 +144,7 @@ TRANSITION_CASES = [
      {"patch": {"version": "3.2.2"}}),
     ("is immutable: create a new PatchRollout for another patch", "spec.patch.source",
      {"patch": {"source": {"builtin": None, **SOURCE_MAP}}}),
+    ("is immutable: create a new PatchRollout to undo a patch", "spec.action", {"action": "revert"}),
 ]
 
 
