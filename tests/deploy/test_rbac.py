@@ -38,6 +38,8 @@ SCOPES = {"cluster": {}, "namespace": {"rbac": {"scope": "namespace"}, "watch": 
 KOPF_CALLS = [
     # watching PatchRollouts; its finalizer and the annotations where it keeps handler progress
     ("graft.dev", "patchrollouts", ("list", "watch", "patch"), None),
+    # watching PatchFleets (the fleet controller), the same way
+    ("graft.dev", "patchfleets", ("list", "watch"), None),
     # kopf.event(): the Events every rollout transition posts
     ("", "events", ("create",), None),
     # resource discovery, and following CRDs that come and go
