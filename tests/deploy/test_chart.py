@@ -536,9 +536,15 @@ def test_gateway_api_sends_all_traffic_to_stable_until_a_rollout_moves_it(chart)
 
 # monitoring
 
+def monitor_of(objs, component):
+    (monitor,) = [o for o in of_kind(objs, "PodMonitor")
+                  if o["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+    return monitor
+
+
 def test_pod_monitor_scrapes_the_engines_metrics_port(chart):
     objs = render(chart, PROMETHEUS_OPERATOR)
-    monitor = one(objs, "PodMonitor")
+    monitor = monitor_of(objs, "engine")
     deployment = one(objs, "Deployment")
     assert selects(monitor["spec"]["selector"]["matchLabels"], pod_template(deployment)["metadata"]["labels"])
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
@@ -547,10 +553,21 @@ def test_pod_monitor_scrapes_the_engines_metrics_port(chart):
     assert ports[endpoint["port"]] == 8000 and endpoint["path"] == "/metrics"
 
 
+def test_pod_monitor_scrapes_the_operators_own_metrics(chart):
+    objs = render(chart, PROMETHEUS_OPERATOR)
+    monitor = monitor_of(objs, "operator")
+    operator = one(objs, "StatefulSet")
+    assert selects(monitor["spec"]["selector"]["matchLabels"], pod_template(operator)["metadata"]["labels"])
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (container,) = containers(operator)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports[endpoint["port"]] == 9090 and env_of(container)["GRAFT_METRICS_PORT"]["value"] == "9090"
+
+
 def test_pod_monitor_can_scrape_engines_the_chart_does_not_run(chart):
     selector = {"matchLabels": {"app": "llm-engine"}}
-    monitor = one(render(chart, {"monitoring": {"prometheusOperator": {"enabled": True, "podSelector": selector}}}),
-                  "PodMonitor")
+    monitor = monitor_of(render(chart, {"monitoring": {"prometheusOperator": {"enabled": True,
+                                                                          "podSelector": selector}}}), "engine")
     assert monitor["spec"]["selector"] == selector and monitor["spec"]["namespaceSelector"] == {"any": True}
 
 

@@ -159,8 +159,11 @@ def test_engine_example_keeps_the_engine_contract():
     assert deployment["spec"]["replicas"] == 3
     template = pod_template(deployment)
     (engine,) = containers(deployment)
-    assert engine["args"][:4] == ["serve", "--host=0.0.0.0", "--port=8000", "--admin-port=8081"]
+    assert engine["args"][:5] == ["serve", "--host=0.0.0.0", "--port=8000", "--admin-host=$(POD_IP)",
+                                  "--admin-port=8081"]
     env = env_of(engine)
+    # the admin API listens on the pod IP only (its default is loopback, out of the operator's reach)
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["GRAFT_PATCHES"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['graft.dev/patches']"
     token_dir = env["GRAFT_ADMIN_TOKEN_FILE"]["value"].rsplit("/", 1)[0]
     mount = next(m for m in engine["volumeMounts"] if m["mountPath"] == token_dir)
