@@ -1,16 +1,18 @@
 """`make demo` / `graft demo`: the whole story on one machine.
 
 A dev cluster (API server emulator, three real engine pods, a real Prometheus, the operator),
-steady BBH traffic, and two rollouts from examples/: kv-align@3.2.1 promoted step by step, then the
-fault@1 fire drill rolled back on its own. A live view shows step, weight, pods and every metric
-against its threshold; the run ends with a report (Events and the decision behind each) and a
-timeline plot per rollout, written under --out.
+steady BBH traffic, and two rollouts from examples/: kv-align@3.2.1 promoted step by step
+(rollout-cpu-fleet.yaml, whose gate is sized for a fleet of about one request a second), then the
+fault@1 fire drill rolled back on its own (rollout-fault-test.yaml). The examples run as written,
+their checks and thresholds included; only their pauses and analysis interval are shortened, and
+they ask the operator's Prometheus (the dev cluster's). A live view shows step, weight, pods and every
+breaker and gate against its threshold; the run ends with a report (Events and the decision behind
+each) and a timeline plot per rollout, written under --out.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
 import time
 from dataclasses import dataclass, field
@@ -25,9 +27,13 @@ from rich.table import Table
 
 from graft.bench.data import bbh_prompts
 from graft.devcluster.cluster import ROOT, ClusterOptions, DevCluster
+from graft.rollout.spec import DEFAULT_STEPS, parse_spec
 
 FINAL = {"Promoted", "RolledBack", "Failed"}
 DEMO_TASKS = ["date_understanding", "boolean_expressions", "sports_understanding"]
+EXAMPLES = ("rollout-cpu-fleet.yaml", "rollout-fault-test.yaml")
+# what the timeline plots, below the weight: a breaker's value and a gate's
+PLOTTED = (("breaker/error-rate", "canary error rate"), ("gate/error-rate-delta", "canary - stable errors"))
 
 
 @dataclass
@@ -37,36 +43,26 @@ class Timeline:
 
     def add(self, t: float, ro: dict[str, Any]) -> None:
         st = ro.get("status", {})
-        results = {r["name"]: r for r in st.get("analysis", {}).get("results", [])}
+        results = {f'{r.get("role", "breaker")}/{r["name"]}': r for r in st.get("analysis", {}).get("results", [])}
         self.samples.append({"t": t, "phase": st.get("phase"), "weight": st.get("weight", 0),
                              "step": st.get("stepIndex"), "results": results})
 
 
-def demo_rollout(path: Path, namespace: str, prometheus: str, pause: str, interval: str,
-                 latency_max: float) -> dict[str, Any]:
-    """An examples/ manifest, pointed at the local Prometheus with the demo's short pauses."""
+def demo_rollout(path: Path, namespace: str, pause: str, interval: str) -> dict[str, Any]:
+    """An examples/ manifest as the demo runs it: in the demo's namespace, each step's pause and the
+    analysis interval shortened; its checks and thresholds exactly as the file has them."""
     ro = yaml.safe_load(path.read_text())
     ro["metadata"]["namespace"] = namespace
     spec = ro["spec"]
-    steps = spec.get("steps") or [{"weight": w} for w in (1, 5, 20, 50, 100)]
-    spec["steps"] = [{**s, **({"pause": pause} if s["weight"] < 100 else {})} for s in steps]
-    analysis = spec.setdefault("analysis", {})
-    analysis["prometheus"] = {"address": prometheus}
-    analysis["interval"] = interval
-    # a canary pod gets a third of ~1 request/s: a handful of requests per window is what it can show
-    analysis["minRequests"] = 3
-    metrics = analysis.get("metrics") or [
-        {"name": "error-rate", "max": 0.005, "window": "20s", "consecutive": 2},
-        {"name": "latency-p99", "max": latency_max, "window": "20s"},
-        {"name": "cpu", "max": 0.92, "window": "20s", "dryRun": True},
-        {"name": "success-rate", "min": 0.995, "window": "20s"},
-        {"name": "error-rate-delta", "max": 0.005, "window": "20s"},
-    ]
-    for m in metrics:  # the demo's steps are seconds long: so are its windows
-        m["window"] = "20s"
-    analysis["metrics"] = metrics
-    spec["progressDeadline"] = "5m"
+    steps = spec.get("steps") or DEFAULT_STEPS
+    spec["steps"] = [{**s, **({"pause": pause} if "pause" in s else {})} for s in steps]
+    spec.setdefault("analysis", {})["interval"] = interval
     return ro
+
+
+def thresholds_of(ro: dict[str, Any]) -> dict[str, float]:
+    """Each check's upper limit, by `role/name` (what the plot draws as a dashed line)."""
+    return {c.key: c.max for c in parse_spec(ro["spec"]).analysis.checks if c.max is not None}
 
 
 def view(cluster: DevCluster, ro: dict[str, Any] | None, traffic, pods: list[dict]) -> Group:
@@ -91,13 +87,14 @@ def view(cluster: DevCluster, ro: dict[str, Any] | None, traffic, pods: list[dic
         pt.add_row(name, labels.get("graft.dev/track", "-"), ann.get("graft.dev/patches", "-"),
                    "yes" if cs.get("ready") else "no", str(cs.get("restartCount", 0)), str(by_pod.get(name, 0)))
     mt = Table(title="analysis", expand=True)
-    for col in ("metric", "value", "threshold", "verdict", "breaches"):
+    for col in ("check", "value", "threshold", "verdict", "breaches"):
         mt.add_column(col)
     for r in st.get("analysis", {}).get("results", []):
         v = r.get("value")
         colour = {"Successful": "green", "Failed": "red", "Inconclusive": "yellow"}.get(r.get("verdict"), "white")
-        mt.add_row(r["name"], "-" if v is None else f"{v:.4g}", str(r.get("threshold", "")),
-                   f"[{colour}]{r.get('verdict')}[/]", str(r.get("breaches", 0)))
+        name = f'{r.get("role", "breaker")} {r["name"]}' + (" (dry run)" if r.get("dryRun") else "")
+        mt.add_row(name, "-" if v is None else f"{v:.4g}", str(r.get("threshold", "")),
+                   f"[{colour}]{r.get('verdict')}[/]", str(r.get("breaches", 0)) if r.get("role") != "gate" else "")
     failed = len(traffic.stats.failed()) if traffic else 0
     total = len(traffic.stats.outcomes) if traffic else 0
     foot = f"client requests: {total}, failed: {failed}"
@@ -115,7 +112,7 @@ def plot(timeline: Timeline, out: Path, thresholds: dict[str, float]) -> Path:
     axes[0].step(ts, [x["weight"] or 0 for x in s], where="post", color="tab:blue")
     axes[0].set_ylabel("canary weight %")
     axes[0].set_ylim(-5, 105)
-    for ax, metric, label in ((axes[1], "error-rate", "error rate"), (axes[2], "latency-p99", "p99 latency (s)")):
+    for ax, (metric, label) in zip(axes[1:], PLOTTED):
         vals = [x["results"].get(metric, {}).get("value") for x in s]
         ax.plot(ts, [v if v is not None else float("nan") for v in vals], marker=".", color="tab:orange")
         if metric in thresholds:
@@ -210,18 +207,12 @@ async def _demo(args: argparse.Namespace) -> int:
         async with cluster.traffic(prompts, rate=args.rate, max_tokens=4) as traffic:
             with console.status("warming up: traffic on the stable fleet ..."):
                 await asyncio.sleep(args.warmup)
-            for example in ("rollout-builtin.yaml", "rollout-fault-test.yaml"):
-                ro = demo_rollout(ROOT / "examples" / example, cluster.namespace, cluster.prometheus.url,
-                                  args.pause, args.interval, args.latency_max)
-                if ro["spec"]["patch"]["name"] == "fault":
-                    # a CPU fleet answers about one request a second: at the example's 5% a 20 s
-                    # window mostly holds no error at all, so the drill injects more to be seen
-                    ro["spec"]["patch"]["config"] = {"errorRate": args.fault_rate, "latencyMs": 0}
+            for example in EXAMPLES:
+                ro = demo_rollout(ROOT / "examples" / example, cluster.namespace, args.pause, args.interval)
                 console.rule(f"{example}: {ro['spec']['patch']['name']}@{ro['spec']['patch']['version']}")
                 timeline, final = await run_rollout(cluster, ro, traffic, console, timeout=args.timeout)
                 events = await cluster.events(ro["metadata"]["name"])
-                thresholds = {m["name"]: m.get("max", m.get("min")) for m in ro["spec"]["analysis"]["metrics"]}
-                png = plot(timeline, out, thresholds)
+                png = plot(timeline, out, thresholds_of(ro))
                 runs.append((timeline, final, events, png))
                 (out / f"{timeline.name}-timeline.json").write_text(json.dumps(timeline.samples, indent=1))
                 console.print(f"[bold]{timeline.name}[/]: {final.get('status', {}).get('phase')} "
