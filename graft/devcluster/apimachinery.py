@@ -135,6 +135,16 @@ def label_selector(text: str) -> Callable[[dict[str, str]], bool]:
     return lambda labels: all(test(labels) for test in tests)
 
 
+def selector_text(selector: dict[str, Any]) -> str:
+    """A ``LabelSelector`` (``matchLabels``, ``matchExpressions``) in the text form of ``?labelSelector=``."""
+    terms = [f"{k}={v}" for k, v in sorted((selector.get("matchLabels") or {}).items())]
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr.get("key"), expr.get("operator"), ",".join(sorted(expr.get("values") or ()))
+        terms.append({"In": f"{key} in ({values})", "NotIn": f"{key} notin ({values})",
+                      "Exists": str(key), "DoesNotExist": f"!{key}"}.get(op, f"{key} {op}"))
+    return ",".join(terms)
+
+
 def field_selector(text: str) -> Predicate:
     """A predicate over objects for a field selector such as ``metadata.name=x,status.phase!=Failed``."""
     tests: list[Predicate] = []
@@ -173,8 +183,132 @@ def strip_directives(patch: Any) -> Any:
     if isinstance(patch, dict):
         return {k: strip_directives(v) for k, v in patch.items() if not k.startswith("$")}
     if isinstance(patch, list):
-        return [strip_directives(v) for v in patch]
+        return [strip_directives(v) for v in patch if not (isinstance(v, dict) and "$patch" in v and len(v) == 1)]
     return patch
+
+
+@dataclass(frozen=True, slots=True)
+class MergeList:
+    """A list that a strategic merge patch merges (``patchStrategy: merge`` in ``k8s.io/api``).
+
+    ``key`` is its ``patchMergeKey`` (``None``: a list of scalars merged as a set); ``items`` is
+    the strategic schema of its elements. Lists not declared this way are replaced whole.
+    """
+
+    key: str | None
+    items: dict[str, Any] | None = None
+
+
+Strategic = dict[str, "Strategic | MergeList"]
+
+_METADATA: Strategic = {"ownerReferences": MergeList("uid"), "finalizers": MergeList(None)}
+_CONTAINER: Strategic = {"env": MergeList("name"), "ports": MergeList("containerPort"),
+                         "volumeMounts": MergeList("mountPath"), "volumeDevices": MergeList("devicePath")}
+_POD_SPEC: Strategic = {
+    "containers": MergeList("name", _CONTAINER), "initContainers": MergeList("name", _CONTAINER),
+    "ephemeralContainers": MergeList("name", _CONTAINER), "volumes": MergeList("name"),
+    "imagePullSecrets": MergeList("name"), "hostAliases": MergeList("ip"),
+    "topologySpreadConstraints": MergeList("topologyKey")}
+_CONDITIONS: Strategic = {"conditions": MergeList("type")}
+_WORKLOAD: Strategic = {"metadata": _METADATA, "status": _CONDITIONS,
+                        "spec": {"template": {"metadata": _METADATA, "spec": _POD_SPEC}}}
+# The merging lists of the built-in kinds (their Go types' struct tags); any other kind merges
+# only its metadata's lists.
+STRATEGIC_SCHEMAS: dict[tuple[str, str], Strategic] = {
+    ("", "pods"): {"metadata": _METADATA, "spec": _POD_SPEC,
+                   "status": {"conditions": MergeList("type"), "podIPs": MergeList("ip")}},
+    ("", "services"): {"metadata": _METADATA, "spec": {"ports": MergeList("port")}},
+    ("", "nodes"): {"metadata": _METADATA, "status": {"conditions": MergeList("type"),
+                                                      "addresses": MergeList("type")}},
+    ("apps", "deployments"): _WORKLOAD, ("apps", "replicasets"): _WORKLOAD,
+    ("apps", "statefulsets"): _WORKLOAD, ("apps", "daemonsets"): _WORKLOAD, ("batch", "jobs"): _WORKLOAD,
+}
+
+
+def strategic_schema(resource: kmock.resource) -> Strategic:
+    return STRATEGIC_SCHEMAS.get((resource.group, str(resource.plural)), {"metadata": _METADATA})
+
+
+def strategic_merge(target: Any, patch: Any, schema: Strategic, path: str = "") -> Any:
+    """Apply a strategic merge patch: a merge patch whose declared lists merge by their key.
+
+    The directives kubectl and kubelet send are honoured: ``$patch: replace|delete`` on a map or
+    in a list, ``$setElementOrder/<list>``, ``$deleteFromPrimitiveList/<list>``, ``$retainKeys``.
+    Raises ``StrategicError`` naming the field for a patch that cannot apply.
+    """
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    directive = patch.get("$patch")
+    if directive == "replace":
+        return strip_directives({k: v for k, v in patch.items() if k != "$patch"})
+    if directive is not None:
+        raise StrategicError(path or "<root>", f"unknown or misplaced patch directive {directive!r}")
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if key.startswith("$"):
+            continue
+        sub = schema.get(key)
+        where = f"{path}.{key}" if path else key
+        if value is None:
+            result.pop(key, None)
+        elif isinstance(sub, MergeList) and isinstance(value, list):
+            result[key] = _merge_list(result.get(key) if isinstance(result.get(key), list) else [], value, sub, where)
+        elif isinstance(value, dict) and value.get("$patch") == "delete":
+            result.pop(key, None)
+        elif isinstance(value, dict):
+            result[key] = strategic_merge(result.get(key), value, sub if isinstance(sub, dict) else {}, where)
+        else:
+            result[key] = strip_directives(value)
+    for key, value in patch.items():
+        name = key.partition("/")[2]
+        if key.startswith("$deleteFromPrimitiveList/") and isinstance(result.get(name), list):
+            result[name] = [v for v in result[name] if v not in value]
+        elif key.startswith("$setElementOrder/") and isinstance(result.get(name), list):
+            sub = schema.get(name)
+            result[name] = _ordered(result[name], value, sub.key if isinstance(sub, MergeList) else None)
+    retain = patch.get("$retainKeys")
+    if isinstance(retain, list):
+        result = {k: v for k, v in result.items() if k in retain}
+    return result
+
+
+class StrategicError(ValueError):
+    """A strategic merge patch that cannot apply; ``field`` is where."""
+
+    def __init__(self, field: str, detail: str):
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+
+
+def _merge_list(target: list[Any], patch: list[Any], spec: MergeList, path: str) -> list[Any]:
+    if any(isinstance(v, dict) and v.get("$patch") == "replace" for v in patch):
+        return strip_directives([v for v in patch if not (isinstance(v, dict) and "$patch" in v)])
+    if spec.key is None:
+        return list(target) + [strip_directives(v) for v in patch if v not in target]
+    result = list(target)
+    for i, item in enumerate(patch):
+        where = f"{path}[{i}]"
+        if not isinstance(item, dict) or spec.key not in item:
+            raise StrategicError(where, f"does not contain declared merge key: {spec.key}")
+        at = next((j for j, old in enumerate(result) if isinstance(old, dict)
+                   and old.get(spec.key) == item[spec.key]), None)
+        if item.get("$patch") == "delete":
+            if at is not None:
+                del result[at]
+        elif at is None:
+            result.append(strategic_merge(None, item, spec.items or {}, where))
+        else:
+            result[at] = strategic_merge(result[at], item, spec.items or {}, where)
+    return result
+
+
+def _ordered(items: list[Any], order: list[Any], key: str | None) -> list[Any]:
+    """``items`` with those named in ``order`` first, in that order; the rest after, as they were."""
+    def identity(item: Any) -> Any:
+        return item.get(key) if key is not None and isinstance(item, dict) else item
+    wanted = [identity(o) for o in order]
+    rank = {json.dumps(w, sort_keys=True): i for i, w in enumerate(wanted)}
+    return sorted(items, key=lambda item: rank.get(json.dumps(identity(item), sort_keys=True), len(rank)))
 
 
 # names and versions

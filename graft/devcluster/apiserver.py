@@ -10,7 +10,10 @@ kopf and kubectl talk to it as to a real cluster. What it does the way kube-apis
   a namespaced object can only be created in an existing namespace; deleting a namespace deletes
   what is in it;
 - create (``generateName``, ``uid``, ``creationTimestamp``, ``generation``), get, list, watch,
-  replace (PUT), merge / JSON / strategic patches, finalizer-aware delete, ``dryRun=All``;
+  replace (PUT), merge / JSON / strategic patches, finalizer-aware delete, ``dryRun=All``; a
+  strategic merge patch merges the lists the built-in kinds declare mergeable by their key (a pod's
+  ``status.conditions`` by ``type``, its containers by ``name``, ...) and honours its directives;
+- the ``scale`` subresource of Deployments, ReplicaSets and StatefulSets (``kubectl scale``);
 - one global ``resourceVersion``, bumped by every write; a JSON patch whose ``test`` fails, and a
   stale ``resourceVersion`` in a patch or a PUT, are refused (422 / 409);
 - lists carry ``kind``, ``apiVersion`` and ``resourceVersion`` and page with ``limit``/``continue``;
@@ -36,10 +39,11 @@ kopf and kubectl talk to it as to a real cluster. What it does the way kube-apis
 
 What it does not do: authentication and RBAC (everyone may do everything), admission webhooks,
 version conversion, validation ratcheting, CEL cost limits, ``format`` checks, strategic merge of
-lists (a strategic patch is applied as a merge patch), server-side apply, OpenAPI v2, schema
-validation of built-in kinds (unknown fields of a Pod are kept), protobuf bodies (415: kubectl's
-imperative ``create namespace/configmap/...`` send protobuf, so use ``kubectl apply -f``),
-controllers (nothing creates pods from a Deployment).
+custom resources (applied as a merge patch; kube-apiserver refuses it), a CRD's scale subresource,
+server-side apply, OpenAPI v2, schema validation of built-in kinds (unknown fields of a Pod are
+kept), protobuf bodies (415: kubectl's imperative ``create namespace/configmap/...`` send protobuf,
+so use ``kubectl apply -f``), controllers (nothing here creates pods for a Deployment:
+:mod:`graft.devcluster.podrunner` plays the controllers and the kubelet).
 
 Run it in a test's event loop (``async with ApiServer(crd_paths=[...]) as api``) or as a process
 for kubectl in another terminal: ``python -m graft.devcluster.apiserver --port 6443 --crds crds/
@@ -72,9 +76,11 @@ import yaml
 from kmock._internal import rendering as kmock_rendering  # StreamingError, for __call__
 
 from graft.devcluster import openapi, tables
-from graft.devcluster.apimachinery import (Predicate, Target, api_error, conflict, field_selector, label_selector,
-                                           merge_patch, not_found, parse_target, sort_key, status,
-                                           strip_directives, verb, version_priority, watch_event)
+from graft.devcluster.apimachinery import (FieldError, Predicate, StrategicError, Target, api_error, conflict,
+                                           field_selector, invalid, label_selector, merge_patch, not_found,
+                                           parse_target, selector_text, sort_key, status, strategic_merge,
+                                           strategic_schema, strip_directives, verb, version_priority,
+                                           watch_event)
 from graft.devcluster.kubeconfig import write_kubeconfig
 from graft.devcluster.store import CRDS, NAMESPACES, VERBS, ObjectStore
 
@@ -85,6 +91,8 @@ SERVER_VERSION = {"major": "1", "minor": "32", "emulationMajor": "1", "emulation
                   "goVersion": "go1.23.3", "compiler": "gc", "platform": "linux/amd64"}
 _JSON = {"Content-Type": "application/json"}
 _PATCHES = ("application/json-patch+json", "application/merge-patch+json", "application/strategic-merge-patch+json")
+# Kinds whose ``/scale`` subresource is served (``kubectl scale``, autoscalers): spec.replicas, as a Scale.
+_SCALABLE = {kmock.resource("apps", "v1", plural) for plural in ("deployments", "replicasets", "statefulsets")}
 
 
 @attrs.define(kw_only=True)
@@ -216,6 +224,7 @@ class ApiServer(kmock.KubernetesEmulator):
                     "kind": info.kind, "verbs": sorted(info.verbs or VERBS)}
             entries.append(base | {"shortNames": sorted(info.shortnames), "categories": sorted(info.categories)})
             entries += [base | {"name": f"{res.plural}/{sub}", "singularName": "", "verbs": ["get", "patch", "update"]}
+                        | ({"group": "autoscaling", "version": "v1", "kind": "Scale"} if sub == "scale" else {})
                         for sub in sorted(info.subresources)]
         return {"kind": "APIResourceList", "apiVersion": "v1",
                 "groupVersion": f"{group}/{version}" if group else version, "resources": entries}
@@ -259,8 +268,10 @@ class ApiServer(kmock.KubernetesEmulator):
     # reading
 
     async def _serve_get(self, request: kmock.Request) -> dict[str, Any]:
-        target, _ = self._resolve(request, subresources=("status",))
+        target, _ = self._resolve(request, subresources=("status", "scale"))
         obj = self._store.existing(target)
+        if target.subresource == "scale":
+            return _scale_of(obj)
         version = tables.table_version(_header(request, "accept"))
         if version is not None:
             return tables.table(version, self._columns(target), [obj],
@@ -335,30 +346,34 @@ class ApiServer(kmock.KubernetesEmulator):
         return self._store.create(target, _body(request, dict), request.params)
 
     async def _serve_update(self, request: kmock.Request) -> dict[str, Any]:
-        target, _ = self._resolve(request, subresources=("status",))
-        return self._store.update(target, self._store.existing(target), _body(request, dict), request.params)
+        target, _ = self._resolve(request, subresources=("status", "scale"))
+        old = self._store.existing(target)
+        if target.subresource == "scale":
+            return self._write_scale(target, old, _body(request, dict), request.params)
+        return self._store.update(target, old, _body(request, dict), request.params)
 
     async def _serve_patch(self, request: kmock.Request) -> dict[str, Any]:
-        target, _ = self._resolve(request, subresources=("status",))
+        target, _ = self._resolve(request, subresources=("status", "scale"))
         old = self._store.existing(target)
-        content_type = _content_type(request)
-        if content_type == "application/json-patch+json":
-            try:
-                patched = jsonpatch.apply_patch(old, _body(request, list))
-            except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as e:
-                raise api_error(422, "Invalid", f"the server rejected our request due to an error in our request: {e}")
-        elif content_type in _PATCHES:
-            patch = _body(request, dict)
-            if content_type == "application/strategic-merge-patch+json":
-                patch = strip_directives(patch)
-            wanted = (patch.get("metadata") or {}).get("resourceVersion")
-            if wanted and wanted != old["metadata"]["resourceVersion"]:
-                raise conflict(target)
-            patched = merge_patch(old, patch)
-        else:
-            raise api_error(415, "UnsupportedMediaType", "the body of the request was in an unknown format: "
-                            f"{content_type or 'none'}; accepted media types include: {', '.join(_PATCHES)}")
+        if target.subresource == "scale":
+            return self._write_scale(target, old, _patched(request, target, _scale_of(old), custom=False),
+                                     request.params)
+        patched = _patched(request, target, old, custom=target.resource in self._store.crds)
         return self._store.update(target, old, patched, request.params)
+
+    def _write_scale(self, target: Target, old: dict[str, Any], scale: dict[str, Any],
+                     params: dict[str, str]) -> dict[str, Any]:
+        """Write a Scale's ``spec.replicas`` to its object (``resourceVersion``, when given, a precondition)."""
+        replicas = (scale.get("spec") or {}).get("replicas")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise invalid(target, "Scale", [FieldError("spec.replicas", "FieldValueInvalid", f"Invalid value: "
+                          f"{json.dumps(replicas)}: must be greater than or equal to 0")])
+        new = {**old, "spec": {**(old.get("spec") or {}), "replicas": replicas}}
+        wanted = (scale.get("metadata") or {}).get("resourceVersion")
+        if wanted:
+            new["metadata"] = {**old["metadata"], "resourceVersion": wanted}
+        main = Target(target.resource, target.namespace, target.name, None)
+        return _scale_of(self._store.update(main, old, new, params))
 
     async def _serve_delete(self, request: kmock.Request) -> dict[str, Any]:
         target, _ = self._resolve(request)
@@ -399,8 +414,10 @@ class ApiServer(kmock.KubernetesEmulator):
         target = parse_target(request.url.path)
         assert target is not None  # routed here only for resource URLs
         info = self._store.info(target)
-        if target.subresource is not None and not (target.subresource in subresources
-                                                   and target.subresource in info.subresources):
+        served = target.subresource in subresources and target.subresource in info.subresources
+        if target.subresource == "scale" and target.resource not in _SCALABLE:
+            served = False  # a CRD's scale subresource (its replicas paths) is not emulated
+        if target.subresource is not None and not served:
             raise not_found(f"the server could not find the requested resource ({target.qualified}/"
                             f"{target.subresource} is not emulated)", target)
         return target, info
@@ -491,6 +508,47 @@ def _matcher(request: kmock.Request, target: Target) -> Predicate:
                 and (target.name is None or meta.get("name") == target.name)
                 and labels(meta.get("labels") or {}) and fields(obj))
     return match
+
+
+def _patched(request: kmock.Request, target: Target, old: dict[str, Any], *, custom: bool) -> dict[str, Any]:
+    """``old`` with the request's patch applied (JSON, merge or strategic merge, by its content type).
+
+    A strategic merge patch merges the lists a built-in kind declares mergeable by their key (a
+    pod's ``status.conditions`` by ``type``). Custom resources have no such declarations: for them
+    it is applied as a merge patch.
+    """
+    content_type = _content_type(request)
+    if content_type == "application/json-patch+json":
+        try:
+            return jsonpatch.apply_patch(old, _body(request, list))
+        except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as e:
+            raise api_error(422, "Invalid", f"the server rejected our request due to an error in our request: {e}")
+    if content_type not in _PATCHES:
+        raise api_error(415, "UnsupportedMediaType", "the body of the request was in an unknown format: "
+                        f"{content_type or 'none'}; accepted media types include: {', '.join(_PATCHES)}")
+    patch = _body(request, dict)
+    wanted = (patch.get("metadata") or {}).get("resourceVersion")
+    if wanted and wanted != old["metadata"]["resourceVersion"]:
+        raise conflict(target)
+    if content_type == "application/merge-patch+json":
+        return merge_patch(old, patch)
+    if custom:
+        return merge_patch(old, strip_directives(patch))
+    try:
+        return strategic_merge(old, patch, strategic_schema(target.resource))
+    except StrategicError as e:
+        raise api_error(400, "BadRequest", f"the strategic merge patch does not apply: {e}") from None
+
+
+def _scale_of(obj: dict[str, Any]) -> dict[str, Any]:
+    """The ``autoscaling/v1`` Scale of a Deployment, ReplicaSet or StatefulSet."""
+    meta, spec = obj["metadata"], obj.get("spec") or {}
+    return {"kind": "Scale", "apiVersion": "autoscaling/v1",
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+                         if k in meta},
+            "spec": {"replicas": int(spec.get("replicas", 1))},
+            "status": {"replicas": int((obj.get("status") or {}).get("replicas", 0)),
+                       "selector": selector_text(spec.get("selector") or {})}}
 
 
 def _body(request: kmock.Request, kind: type) -> Any:

@@ -1,23 +1,39 @@
-"""A kubelet stand-in for the dev cluster: a real `graft serve` process per Pod object.
+"""A kubelet stand-in for the dev cluster: a real local process per Pod object.
 
-It plays two controllers for one namespace, through the Kubernetes API like any client:
+It plays three controllers for one namespace, through the Kubernetes API like any client:
 
 - the Deployment controller: keeps `spec.replicas` Pods of each Deployment it manages (made from
-  its pod template, named `<deployment>-<suffix>`), replacing deleted ones;
+  its pod template, readiness gates included, named `<deployment>-<suffix>`), replacing deleted
+  ones and, on a scale-down, deleting the not-Ready and newest first; `kubectl scale` works
+  through the API server's scale subresource;
 - the kubelet: gives each Pod its own loopback address (127.0.0.2, .3, ...), so every engine listens
   on the ports its container declares exactly as in a cluster; resolves the container's env
-  (`value`, `secretKeyRef`, and the Downward API's `fieldRef` on `metadata.annotations[...]`, which
-  is how `graft.dev/patches` becomes `GRAFT_PATCHES`) at every container start; keeps `status` true
-  (phase, podIP, Ready from the readiness probe, containerID, restartCount); restarts a container
-  that exits, with a new containerID and restartCount + 1; stops the process when the Pod goes.
+  (`value` with `$(VAR)` references, `secretKeyRef`, and the Downward API's `fieldRef`, which is how
+  `graft.dev/patches` becomes `GRAFT_PATCHES`) at every container start; keeps `status` true
+  (phase, podIP, containerID, restartCount, and the conditions it owns: PodScheduled, Initialized,
+  ContainersReady from the readiness probe, and Ready, which also waits for every readiness gate's
+  condition to be True); restarts a container that exits, with a new containerID and
+  restartCount + 1; stops the process when the Pod goes. Conditions of other types belong to
+  whoever sets them (an operator's readiness gate): its status writes merge by condition type and
+  never drop them;
+- the EndpointSlice and Endpoints controllers: every Service with a selector gets an EndpointSlice
+  and an Endpoints object listing its pods, an endpoint `ready` only when its pod is Ready.
+
+A container's command is run with this machine's Python environment standing in for the image:
+`graft ...` runs `python -m graft.cli ...` (a `graft serve` is told to listen on the pod's IP);
+`python ...` runs this interpreter, which makes small engine-less pods possible in tests.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import itertools
+import json
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -33,10 +49,24 @@ import httpx
 log = logging.getLogger(__name__)
 
 MANAGED = "graft.dev/dev-cluster"
+KUBELET_CONDITIONS = ("Initialized", "Ready", "ContainersReady", "PodScheduled")  # the types it owns
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+SLICE_MANAGER = {"endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
+ENDPOINTS_MANAGER = {MANAGED: "endpoints-controller"}  # marks the Endpoints objects this runner keeps
+_SMP = {"content-type": "application/strategic-merge-patch+json"}
+_MERGE = {"content-type": "application/merge-patch+json"}
 
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class ContainerError(Exception):
+    """Why a container cannot start, as kubelet reports it in the container's waiting state."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -50,6 +80,8 @@ class Container:
     ready: bool = False
     log_path: Path | None = None
     env_snapshot: dict[str, str] = field(default_factory=dict)
+    waiting: ContainerError | None = None   # the last start failed: why
+    last_exit: int | None = None            # exit code of the previous run
 
 
 class PodRunner:
@@ -65,21 +97,22 @@ class PodRunner:
         self.grace = grace
         self.containers: dict[str, Container] = {}
         self._free_ips = [f"127.0.0.{i}" for i in range(first_ip, 250)]
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self._wake = asyncio.Event()
         self._counter = itertools.count(1)
 
     async def __aenter__(self) -> "PodRunner":
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._task = asyncio.create_task(self._run())
+        self._tasks = [asyncio.create_task(self._run()), asyncio.create_task(self._watch_pods())]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self._stopping = True
-        if self._task:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         await asyncio.gather(*(asyncio.to_thread(self._terminate, c) for c in self.containers.values()))
         await self.api.aclose()
 
@@ -88,8 +121,8 @@ class PodRunner:
         base = f"/apis/{group}" if group else "/api/v1"
         return f"{base}/namespaces/{self.namespace}/{resource}" + (f"/{name}" if name else "")
 
-    async def _list(self, resource: str, group: str = "") -> list[dict]:
-        r = await self.api.get(self._ns(resource, group=group))
+    async def _list(self, resource: str, group: str = "", **params: str) -> list[dict]:
+        r = await self.api.get(self._ns(resource, group=group), params=params)
         r.raise_for_status()
         return r.json().get("items", [])
 
@@ -98,11 +131,46 @@ class PodRunner:
         while not self._stopping:
             try:
                 await self._reconcile_deployments()
-                await self._reconcile_pods()
+                pods = await self._reconcile_pods()
+                await self._reconcile_endpoints(pods)
             except (httpx.HTTPError, OSError) as exc:
                 log.warning("pod runner: API unreachable (%s); retrying", exc)
             except Exception:
                 log.exception("pod runner: reconcile failed; retrying")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.poll)
+            self._wake.clear()
+
+    async def _watch_pods(self) -> None:
+        """Cut the loop's wait short when a pod comes or a condition the runner does not own changes.
+
+        A readiness gate set True then turns the pod Ready within one pass, not a poll later. The
+        runner's own status writes do not wake it (they change only its own conditions).
+        """
+        seen: dict[str, list] = {}
+        since = ""
+        while not self._stopping:
+            try:
+                params = {"watch": "true", **({"resourceVersion": since} if since else {})}
+                async with self.api.stream("GET", self._ns("pods"), params=params, timeout=None) as r:
+                    if r.status_code != 200:
+                        since = ""
+                        r.raise_for_status()
+                    async for line in r.aiter_lines():
+                        event = json.loads(line) if line.strip() else {}
+                        if event.get("type") == "ERROR":
+                            since = ""  # too old: start over from now
+                            break
+                        obj = event.get("object") or {}
+                        since = obj.get("metadata", {}).get("resourceVersion", since)
+                        name, foreign = obj.get("metadata", {}).get("name"), _foreign_conditions(obj)
+                        if event.get("type") == "DELETED":
+                            seen.pop(name, None)
+                        elif seen.get(name) != foreign:
+                            seen[name] = foreign
+                            self._wake.set()
+            except (httpx.HTTPError, ValueError) as exc:
+                log.debug("pod runner: pod watch ended (%s); watching again", exc)
             await asyncio.sleep(self.poll)
 
     async def _reconcile_deployments(self) -> None:
@@ -116,13 +184,13 @@ class PodRunner:
             want = int(dep.get("spec", {}).get("replicas", 1))
             for _ in range(want - len(owned)):
                 await self._create_pod(dep)
-            for extra in owned[want:]:
+            for extra in _deletion_order(owned)[:max(0, len(owned) - want)]:
                 await self.api.delete(self._ns("pods", extra["metadata"]["name"]))
-            await self.api.patch(self._ns("deployments", name, group="apps/v1") + "/status",
-                                 json={"status": {"replicas": len(owned), "readyReplicas": sum(
-                                     1 for p in owned if _is_ready(p)), "observedGeneration":
-                                     dep["metadata"].get("generation", 1)}},
-                                 headers={"content-type": "application/merge-patch+json"})
+            ready = sum(1 for p in owned if pod_ready(p))
+            await self.api.patch(self._ns("deployments", name, group="apps/v1") + "/status", headers=_MERGE,
+                                 json={"status": {"replicas": len(owned), "updatedReplicas": len(owned),
+                                                  "readyReplicas": ready, "availableReplicas": ready,
+                                                  "observedGeneration": dep["metadata"].get("generation", 1)}})
 
     async def _create_pod(self, dep: dict) -> None:
         template = dep["spec"]["template"]
@@ -137,7 +205,9 @@ class PodRunner:
         r.raise_for_status()
         log.info("created pod %s", name)
 
-    async def _reconcile_pods(self) -> None:
+    async def _reconcile_pods(self) -> list[dict]:
+        """Start, restart and stop containers to match the pods; write their status. Returns the pods,
+        with the status written, so the endpoints follow in the same pass."""
         pods = {p["metadata"]["name"]: p for p in await self._list("pods")}
         for name in list(self.containers):
             pod = pods.get(name)
@@ -150,50 +220,90 @@ class PodRunner:
         for name, pod in pods.items():
             if pod["metadata"].get("deletionTimestamp"):
                 continue
-            c = self.containers.get(name)
-            if c is None:
-                c = self.containers[name] = Container(name, self._free_ips.pop(0))
-            if c.process is None or c.process.poll() is not None:
-                if c.process is not None:
-                    c.restarts += 1
-                    log.warning("pod %s: container exited (%s); restarting", name, c.process.returncode)
-                await self._start(c, pod)
-            await self._sync_status(c, pod)
+            try:
+                pods[name] = await self._sync_pod(pod)
+            except httpx.HTTPError:
+                raise
+            except Exception:  # one broken pod must not stall the others
+                log.exception("pod %s: sync failed", name)
+        return list(pods.values())
+
+    async def _sync_pod(self, pod: dict) -> dict:
+        name = pod["metadata"]["name"]
+        c = self.containers.get(name)
+        if c is None:
+            c = self.containers[name] = Container(name, self._free_ips.pop(0))
+        if c.process is None or c.process.poll() is not None:
+            if c.process is not None:
+                c.restarts += 1
+                code = c.process.returncode  # negative: killed by that signal; kubelet says 128 + signal
+                c.last_exit = 128 - code if code < 0 else code
+                c.process = None
+                log.warning("pod %s: container exited (%s); restarting", name, c.last_exit)
+            await self._start(c, pod)
+        return await self._sync_status(c, pod)
 
     # containers
-    async def _resolve_env(self, pod: dict, container: dict) -> dict[str, str]:
+    async def _resolve_env(self, pod: dict, container: dict, ip: str) -> dict[str, str]:
         env: dict[str, str] = {}
         for item in container.get("env", []):
             if "value" in item:
-                env[item["name"]] = str(item["value"])
+                env[item["name"]] = expand(str(item["value"]), env)
                 continue
             src = item.get("valueFrom", {})
             if "fieldRef" in src:
-                env[item["name"]] = _field_ref(pod, src["fieldRef"]["fieldPath"])
+                env[item["name"]] = _field_ref(pod, src["fieldRef"]["fieldPath"], ip)
             elif "secretKeyRef" in src:
-                ref = src["secretKeyRef"]
-                r = await self.api.get(self._ns("secrets", ref["name"]))
-                if r.status_code == 404 and ref.get("optional"):
-                    continue
-                r.raise_for_status()
-                import base64
-                env[item["name"]] = base64.b64decode(r.json().get("data", {})[ref["key"]]).decode()
+                value = await self._secret_key(src["secretKeyRef"])
+                if value is not None:
+                    env[item["name"]] = value
+            else:
+                raise ContainerError("CreateContainerConfigError",
+                                     f"env {item['name']}: only value, fieldRef and secretKeyRef are supported")
         return env
+
+    async def _secret_key(self, ref: dict) -> str | None:
+        r = await self.api.get(self._ns("secrets", ref["name"]))
+        data = (r.json().get("data") or {}) if r.status_code == 200 else {}
+        if ref["key"] in data:
+            return base64.b64decode(data[ref["key"]]).decode()
+        if ref.get("optional"):
+            return None
+        if r.status_code == 404:
+            raise ContainerError("CreateContainerConfigError", f'secret "{ref["name"]}" not found')
+        r.raise_for_status()
+        raise ContainerError("CreateContainerConfigError",
+                             f"couldn't find key {ref['key']} in Secret {self.namespace}/{ref['name']}")
+
+    def _command(self, c: Container, container: dict, env: dict[str, str]) -> list[str]:
+        """The local command line of a container (`$(VAR)` expanded, as kubelet does)."""
+        argv = [expand(str(a), env) for a in [*container.get("command", []), *container.get("args", [])]]
+        program = Path(argv[0]).name if argv else ""
+        if program == "graft":
+            return [sys.executable, "-m", "graft.cli", *argv[1:], *_serve_flags(argv, c.ip), *self.engine_args]
+        if program in ("python", "python3"):
+            return [sys.executable, *argv[1:]]
+        raise ContainerError("RunContainerError", f"the dev cluster runs `graft ...` and `python ...` containers "
+                                                  f"only, got {argv[:1]}")
 
     async def _start(self, c: Container, pod: dict) -> None:
         container = pod["spec"]["containers"][0]
-        env = await self._resolve_env(pod, container)
-        argv = [*container.get("command", []), *container.get("args", [])]
-        if not argv or Path(argv[0]).name != "graft":
-            raise ValueError(f"pod {c.pod}: the dev cluster runs `graft ...` containers only, got {argv[:1]}")
-        cmd = [sys.executable, "-m", "graft.cli", *argv[1:], *_serve_flags(argv, c.ip), *self.engine_args]
+        try:
+            env = await self._resolve_env(pod, container, c.ip)
+            cmd = self._command(c, container, env)
+        except ContainerError as e:
+            if c.waiting is None or str(c.waiting) != str(e):
+                log.warning("pod %s: %s: %s", c.pod, e.reason, e)
+            c.waiting = e
+            return
+        c.waiting = None
         c.log_path = self.workdir / f"{c.pod}.log"
         c.env_snapshot = env
         out = open(c.log_path, "ab")
         out.write(f"--- start {_now()} restarts={c.restarts} env GRAFT_PATCHES={env.get('GRAFT_PATCHES', '')}\n".encode())
         out.flush()
         c.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                     start_new_session=True)
+                                     cwd=container.get("workingDir") or None, start_new_session=True)
         out.close()
         c.container_id = f"graft://{c.pod}-{next(self._counter)}-{c.process.pid}"
         c.started = time.time()
@@ -217,41 +327,266 @@ class PodRunner:
         c.process.wait()
         return c.process.pid
 
+    async def restart(self, pod: str, timeout: float = 30.0) -> dict:
+        """Kill a pod's container and wait until its status shows the new one; return the pod.
+
+        The new container has a new containerID and restartCount + 1, as after a crash in a
+        cluster; it need not be ready yet.
+        """
+        before = self.containers[pod]
+        old_id, old_restarts = before.container_id, before.restarts
+        self.kill(pod)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = await self.api.get(self._ns("pods", pod))
+            if r.status_code == 200:
+                cs = (r.json().get("status") or {}).get("containerStatuses") or [{}]
+                if cs[0].get("containerID") not in ("", old_id) and cs[0].get("restartCount") == old_restarts + 1:
+                    return r.json()
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"pod {pod}: no new container after {timeout}s")
+
     def ready_pods(self) -> list[Container]:
+        """The containers that pass their readiness probe (whether their pod's gates are True or not)."""
         return [c for c in self.containers.values() if c.ready]
 
-    async def _probe(self, c: Container, pod: dict) -> bool:
-        container = pod["spec"]["containers"][0]
-        probe = (container.get("readinessProbe") or {}).get("httpGet") or {"path": "/ready", "port": 8000}
-        port = _port(container, probe.get("port", 8000))
-        try:
-            r = await self.api.get(f"http://{c.ip}:{port}{probe.get('path', '/ready')}", timeout=1.0)
-            return r.status_code == 200
-        except httpx.HTTPError:
-            return False
+    async def _probe(self, c: Container, container: dict) -> bool:
+        """The readiness probe (httpGet or tcpSocket); without one a running container is ready."""
+        probe = container.get("readinessProbe")
+        if not probe:
+            return True
+        timeout = float(probe.get("timeoutSeconds", 1))
+        if "httpGet" in probe:
+            get = probe["httpGet"]
+            url = f"http://{get.get('host') or c.ip}:{_port(container, get.get('port', 80))}{get.get('path', '/')}"
+            try:
+                r = await self.api.get(url, timeout=timeout,
+                                       headers={h["name"]: h["value"] for h in get.get("httpHeaders") or []})
+                return 200 <= r.status_code < 400
+            except httpx.HTTPError:
+                return False
+        if "tcpSocket" in probe:
+            port = _port(container, probe["tcpSocket"].get("port"))
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(c.ip, port), timeout)
+            except (OSError, TimeoutError):
+                return False
+            writer.close()
+            return True
+        log.warning("pod %s: readiness probe %s is not emulated; the container stays not ready", c.pod, sorted(probe))
+        return False
 
-    async def _sync_status(self, c: Container, pod: dict) -> None:
+    async def _sync_status(self, c: Container, pod: dict) -> dict:
+        """Probe the container and write what changed in the pod's status; return the pod as stored."""
+        container = pod["spec"]["containers"][0]
         alive = c.process is not None and c.process.poll() is None
-        c.ready = alive and await self._probe(c, pod)
+        c.ready = alive and await self._probe(c, container)
+        status = self._status(c, pod, alive)
+        if _unchanged(pod.get("status") or {}, status):
+            return pod
+        # A strategic merge patch merges conditions by type: the ones other writers own stay as they are.
+        r = await self.api.patch(self._ns("pods", c.pod) + "/status", json={"status": status}, headers=_SMP)
+        return r.json() if r.status_code == 200 else pod
+
+    def _status(self, c: Container, pod: dict, alive: bool) -> dict[str, Any]:
+        """The status fields kubelet writes for the pod, as they are now."""
         cname = pod["spec"]["containers"][0].get("name", "engine")
         started = datetime.fromtimestamp(c.started, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        status = {
-            "phase": "Running" if alive else "Pending",
-            "podIP": c.ip, "podIPs": [{"ip": c.ip}], "hostIP": "127.0.0.1",
-            "conditions": [{"type": "Ready", "status": "True" if c.ready else "False"},
-                           {"type": "ContainersReady", "status": "True" if c.ready else "False"}],
-            "containerStatuses": [{"name": cname, "ready": c.ready, "restartCount": c.restarts,
-                                   "containerID": c.container_id, "image": "graft-engine:dev",
-                                   "started": alive,
-                                   "state": {"running": {"startedAt": started}} if alive else
-                                   {"waiting": {"reason": "ContainerCreating"}}}],
-        }
-        old = pod.get("status", {})
-        if (old.get("podIP"), old.get("phase"), _is_ready(pod), _restarts(pod), _container_id(pod)) == \
-                (c.ip, status["phase"], c.ready, c.restarts, c.container_id):
+        if alive:
+            state = {"running": {"startedAt": started}}
+        elif c.waiting is not None:
+            state = {"waiting": {"reason": c.waiting.reason, "message": str(c.waiting)}}
+        else:
+            state = {"waiting": {"reason": "ContainerCreating"}}
+        cs = {"name": cname, "ready": c.ready, "restartCount": c.restarts, "containerID": c.container_id,
+              "image": "graft-engine:dev", "started": alive, "state": state}
+        if c.last_exit is not None:
+            cs["lastState"] = {"terminated": {"exitCode": c.last_exit,
+                                              "reason": "Completed" if c.last_exit == 0 else "Error"}}
+        return {"phase": "Running" if alive else "Pending",
+                "podIP": c.ip, "podIPs": [{"ip": c.ip}], "hostIP": "127.0.0.1",
+                "conditions": pod_conditions(pod, c.ready, cname),
+                "containerStatuses": [cs]}
+
+    # endpoints
+    async def _reconcile_endpoints(self, pods: list[dict]) -> None:
+        """Keep an EndpointSlice and an Endpoints object per Service with a selector, as their controllers do."""
+        services = [s for s in await self._list("services") if (s.get("spec") or {}).get("selector")]
+        slices = {s["metadata"]["name"]: s for s in await self._list(
+            "endpointslices", group="discovery.k8s.io/v1", labelSelector=_selector(SLICE_MANAGER))}
+        endpoints = {e["metadata"]["name"]: e for e in await self._list("endpoints")}
+        wanted_slices: set[str] = set()
+        for svc in services:
+            members = [p for p in pods if _matches(svc["spec"]["selector"], p["metadata"].get("labels") or {})
+                       and (p.get("status") or {}).get("podIP")]
+            want = endpoint_slice(svc, members)
+            wanted_slices.add(want["metadata"]["name"])
+            await self._put(want, slices.get(want["metadata"]["name"]), "endpointslices", "discovery.k8s.io/v1")
+            await self._put(endpoints_object(svc, members), endpoints.get(svc["metadata"]["name"]), "endpoints")
+        for name in set(slices) - wanted_slices:
+            await self.api.delete(self._ns("endpointslices", name, group="discovery.k8s.io/v1"))
+        names = {s["metadata"]["name"] for s in services}
+        for name, ep in endpoints.items():
+            if name not in names and _labels_match(ep, ENDPOINTS_MANAGER):  # ours, and its Service is gone
+                await self.api.delete(self._ns("endpoints", name))
+
+    async def _put(self, want: dict, have: dict | None, resource: str, group: str = "") -> None:
+        """Create `want`, or replace `have` with it when they differ."""
+        if have is None:
+            r = await self.api.post(self._ns(resource, group=group), json=want)
+        elif any(have.get(k) != v for k, v in want.items() if k != "metadata") or \
+                (have["metadata"].get("labels") or {}) != want["metadata"].get("labels"):
+            body = {**want, "metadata": {**want["metadata"], "resourceVersion": have["metadata"]["resourceVersion"]}}
+            r = await self.api.put(self._ns(resource, want["metadata"]["name"], group=group), json=body)
+        else:
             return
-        await self.api.patch(self._ns("pods", c.pod) + "/status", json={"status": status},
-                             headers={"content-type": "application/merge-patch+json"})
+        if r.status_code not in (200, 201, 409):  # 409: written meanwhile; the next pass looks again
+            r.raise_for_status()
+
+
+def pod_ready(pod: dict) -> bool:
+    """Whether a pod takes traffic: its Ready condition is True and it is not terminating."""
+    return not pod["metadata"].get("deletionTimestamp") and _is_ready(pod)
+
+
+def pod_conditions(pod: dict, containers_ready: bool, container: str) -> list[dict[str, Any]]:
+    """The conditions kubelet owns, computed as kubelet does (`pkg/kubelet/status/generate.go`).
+
+    Ready is ContainersReady, and then every readiness gate: a gate whose condition is missing
+    or not True keeps the pod not Ready, with reason ReadinessGatesNotReady. A condition keeps its
+    lastTransitionTime while its status stays the same.
+    """
+    status = pod.get("status") or {}
+    have = {c.get("type"): c for c in status.get("conditions") or []}
+    if containers_ready:
+        containers = {"status": "True"}
+    else:
+        containers = {"status": "False", "reason": "ContainersNotReady",
+                      "message": f"containers with unready status: [{container}]"}
+    ready = dict(containers)
+    if containers_ready:
+        unready = []
+        for gate in (pod.get("spec") or {}).get("readinessGates") or []:
+            kind = gate.get("conditionType")
+            found = have.get(kind)
+            if found is None:
+                unready.append(f'corresponding condition of pod readiness gate "{kind}" does not exist.')
+            elif found.get("status") != "True":
+                unready.append(f'the status of pod readiness gate "{kind}" is not "True", but {found.get("status")}')
+        if unready:
+            ready = {"status": "False", "reason": "ReadinessGatesNotReady", "message": ", ".join(unready)}
+    wanted = {"Initialized": {"status": "True"}, "Ready": ready, "ContainersReady": containers,
+              "PodScheduled": {"status": "True"}}
+    out = []
+    for kind in KUBELET_CONDITIONS:
+        old = have.get(kind) or {}
+        since = old.get("lastTransitionTime") if old.get("status") == wanted[kind]["status"] else None
+        out.append({"type": kind, **wanted[kind], "lastTransitionTime": since or _now()})
+    return out
+
+
+def _foreign_conditions(pod: dict) -> list[tuple[str, str]]:
+    """The (type, status) of the conditions other writers own, such as readiness gates."""
+    return sorted((c.get("type"), c.get("status")) for c in (pod.get("status") or {}).get("conditions") or []
+                  if c.get("type") not in KUBELET_CONDITIONS)
+
+
+def _unchanged(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether the stored status already says what kubelet would write (its own conditions only)."""
+    for key, value in new.items():
+        if key == "conditions":
+            mine = [c for c in old.get("conditions") or [] if c.get("type") in KUBELET_CONDITIONS]
+            if sorted(mine, key=lambda c: c["type"]) != sorted(value, key=lambda c: c["type"]):
+                return False
+        elif old.get(key) != value:
+            return False
+    return True
+
+
+def _deletion_order(pods: list[dict]) -> list[dict]:
+    """Which pods a scale-down deletes first: not Ready before Ready, pending before running, newest first."""
+    newest_first = sorted(pods, key=lambda p: p["metadata"].get("creationTimestamp", ""), reverse=True)
+    return sorted(newest_first, key=lambda p: (pod_ready(p), (p.get("status") or {}).get("phase") == "Running"))
+
+
+def endpoint_slice(svc: dict, pods: list[dict]) -> dict[str, Any]:
+    """The EndpointSlice of a Service: one endpoint per pod, `ready` as kube-proxy reads it."""
+    meta = svc["metadata"]
+    publish = bool((svc.get("spec") or {}).get("publishNotReadyAddresses"))
+    suffix = hashlib.sha1(meta.get("uid", meta["name"]).encode()).hexdigest()[:5]
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": f"{meta['name']}-{suffix}", "namespace": meta.get("namespace"),
+                         "labels": {SERVICE_NAME_LABEL: meta["name"], **SLICE_MANAGER},
+                         "ownerReferences": [_owner(svc)]},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [p["status"]["podIP"]],
+                           "conditions": {"ready": publish or pod_ready(p), "serving": publish or _is_ready(p),
+                                          "terminating": bool(p["metadata"].get("deletionTimestamp"))},
+                           "targetRef": _pod_ref(p)} for p in pods],
+            "ports": _endpoint_ports(svc, pods)}
+
+
+def endpoints_object(svc: dict, pods: list[dict]) -> dict[str, Any]:
+    """The (legacy) Endpoints of a Service: Ready pods in `addresses`, the others in `notReadyAddresses`."""
+    meta = svc["metadata"]
+    publish = bool((svc.get("spec") or {}).get("publishNotReadyAddresses"))
+    ready = [{"ip": p["status"]["podIP"], "targetRef": _pod_ref(p)} for p in pods if publish or pod_ready(p)]
+    not_ready = [{"ip": p["status"]["podIP"], "targetRef": _pod_ref(p)} for p in pods
+                 if not (publish or pod_ready(p))]
+    subset = {k: v for k, v in (("addresses", ready), ("notReadyAddresses", not_ready)) if v}
+    return {"apiVersion": "v1", "kind": "Endpoints",
+            "metadata": {"name": meta["name"], "namespace": meta.get("namespace"),
+                         "labels": {**(meta.get("labels") or {}), **ENDPOINTS_MANAGER}},
+            "subsets": [{**subset, "ports": _endpoint_ports(svc, pods)}] if subset else []}
+
+
+def _endpoint_ports(svc: dict, pods: list[dict]) -> list[dict[str, Any]]:
+    container = ((pods[0].get("spec") or {}).get("containers") or [{}])[0] if pods else {}
+    ports = []
+    for p in (svc.get("spec") or {}).get("ports") or []:
+        target = p.get("targetPort", p.get("port"))
+        try:
+            number = _port(container, target)
+        except ValueError:
+            continue  # a named port the pods do not declare: no endpoint port
+        ports.append({k: v for k, v in (("name", p.get("name")), ("port", number),
+                                        ("protocol", p.get("protocol", "TCP"))) if v is not None})
+    return ports
+
+
+def _pod_ref(pod: dict) -> dict[str, str]:
+    meta = pod["metadata"]
+    return {"kind": "Pod", "name": meta["name"], "namespace": meta.get("namespace", ""), "uid": meta.get("uid", "")}
+
+
+def _owner(svc: dict) -> dict[str, Any]:
+    meta = svc["metadata"]
+    return {"apiVersion": "v1", "kind": "Service", "name": meta["name"], "uid": meta.get("uid", ""),
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _labels_match(obj: dict, labels: dict[str, str]) -> bool:
+    return _matches(labels, obj["metadata"].get("labels") or {})
+
+
+def _selector(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' `$(VAR)` expansion: a defined VAR is replaced, `$$` is a literal `$`, the rest is kept."""
+    def one(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+    return _VAR.sub(one, text)
 
 
 def _serve_flags(argv: list[str], ip: str) -> list[str]:
@@ -269,16 +604,19 @@ def _serve_flags(argv: list[str], ip: str) -> list[str]:
     return flags
 
 
-def _field_ref(pod: dict, path: str) -> str:
+def _field_ref(pod: dict, path: str, ip: str) -> str:
+    """A Downward API field; the pod's IP is known to kubelet before its status says so."""
     meta = pod["metadata"]
     for prefix, key in (("metadata.annotations", "annotations"), ("metadata.labels", "labels")):
         if path.startswith(prefix + "["):
             name = path[len(prefix) + 1:-1].strip("'\"")
             return str(meta.get(key, {}).get(name, ""))
     simple = {"metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace"),
-              "metadata.uid": meta.get("uid"), "status.podIP": pod.get("status", {}).get("podIP")}
+              "metadata.uid": meta.get("uid"), "status.podIP": ip, "status.hostIP": "127.0.0.1",
+              "spec.nodeName": (pod.get("spec") or {}).get("nodeName") or "dev-cluster",
+              "spec.serviceAccountName": (pod.get("spec") or {}).get("serviceAccountName") or "default"}
     if path not in simple:
-        raise ValueError(f"unsupported fieldRef {path}")
+        raise ContainerError("CreateContainerConfigError", f"unsupported fieldRef {path}")
     return str(simple[path] or "")
 
 
@@ -294,13 +632,3 @@ def _port(container: dict, port: Any) -> int:
 def _is_ready(pod: dict) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True"
                for c in pod.get("status", {}).get("conditions", []))
-
-
-def _restarts(pod: dict) -> int:
-    cs = pod.get("status", {}).get("containerStatuses") or [{}]
-    return int(cs[0].get("restartCount", 0))
-
-
-def _container_id(pod: dict) -> str:
-    cs = pod.get("status", {}).get("containerStatuses") or [{}]
-    return cs[0].get("containerID", "")

@@ -3,7 +3,9 @@
 The router honours the rollout's routing the way the cluster's data plane would: with HTTPRoutes
 in the namespace it splits by their backendRefs weights (each backend a Service, whose selector
 picks the pods); without one, requests spread evenly over the ready pods, so the canary's share
-is its share of pods (pod-ratio routing).
+is its share of pods (pod-ratio routing). As with kube-proxy, a pod takes traffic only while its
+Ready condition is True (its containers ready and every readiness gate True) and it is not
+terminating.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from graft.devcluster.podrunner import pod_ready
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +69,7 @@ class Router:
             return
         ns = self.namespace
         pods = (await self.api.get(f"/api/v1/namespaces/{ns}/pods")).json().get("items", [])
-        self._pods = [p for p in pods if _matches(self.selector, p["metadata"].get("labels", {}))
-                      and any(c.get("type") == "Ready" and c.get("status") == "True"
-                              for c in p.get("status", {}).get("conditions", []))]
+        self._pods = [p for p in pods if _matches(self.selector, p["metadata"].get("labels", {})) and pod_ready(p)]
         r = await self.api.get(f"/apis/gateway.networking.k8s.io/v1/namespaces/{ns}/httproutes")
         self._routes = r.json().get("items", []) if r.status_code == 200 else []
         if self._routes:

@@ -75,7 +75,7 @@ def test_kubectl_shows_the_cel_rule_that_refused_a_manifest(kubeconfig):
 
 def test_kubectl_get_prints_the_crd_printer_columns(kubeconfig):
     kubectl(kubeconfig, "apply", "-f", "-", stdin=example("columns"))
-    status = '{"status": {"phase": "Progressing", "stepIndex": 1, "weight": 5, "canaryRevision": "kv-align@3.2.1"}}'
+    status = '{"status": {"phase": "Progressing", "stepIndex": 0, "step": 1, "weight": 5, "canaryRevision": "kv-align@3.2.1"}}'
     patched = kubectl(kubeconfig, "patch", "prl", "columns", "-n", "llm", "--subresource=status", "--type=merge",
                       "-p", status)
     assert patched.returncode == 0, patched.stderr
