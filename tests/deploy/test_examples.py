@@ -90,7 +90,8 @@ def test_gpu_checklist_template_is_the_documented_one():
 
 
 def test_cpu_fleet_example_differs_from_the_defaults_only_where_its_comment_says():
-    """The demo's kv-align rollout: the default steps and breakers (cpu run dry), one sized gate."""
+    """The demo's kv-align rollout: the default steps and breakers (cpu run dry), one gate sized for
+    the fleet and room for the runs it takes to settle."""
     rollout = one(load_file(EXAMPLES / "rollout-cpu-fleet.yaml"), "PatchRollout")
     mine, defaults = parse_spec(rollout["spec"]), parse_spec({**rollout["spec"], "analysis": {}})
     assert mine.steps == defaults.steps
@@ -98,6 +99,7 @@ def test_cpu_fleet_example_differs_from_the_defaults_only_where_its_comment_says
     assert [c.key for c in mine.analysis.breakers if c.dry_run] == ["breaker/cpu"]
     (gate,) = mine.analysis.gates
     assert (gate.key, gate.max, gate.window) == ("gate/error-rate-delta", 0.05, None)
+    assert (mine.analysis.inconclusive_limit, defaults.analysis.inconclusive_limit) == (60, 20)
 
 
 def test_crd_check_refuses_a_broken_rollout(crds):

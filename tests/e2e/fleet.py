@@ -26,6 +26,7 @@ import pytest
 from graft.devcluster.cluster import APP, TOKEN_SECRET, ClusterOptions, DevCluster, object_path
 from graft.devcluster.traffic import Outcome, Router, Traffic, TrafficStats
 from graft.operator.pods import PATCHES_ANNOTATION, TRACK_LABEL, admin_address, is_ready
+from graft.rollout.queries import CANARY, Context, count_query
 from graft.rollout.revision import BASE, patches_of
 from graft.rollout.status import FINAL
 
@@ -184,6 +185,14 @@ class Fleet:
             return None
         value = float(result[0]["value"][1])
         return None if math.isnan(value) else value
+
+    async def counts(self, revision: str, window: float) -> tuple[float, float]:
+        """Requests and errors of `revision` over the last `window` seconds, asked the way the
+        analysis asks (graft.rollout.queries); (0, 0) before the revision has any series."""
+        ctx = Context(self.namespace, revision, BASE)
+        requests = await self.query(count_query(ctx, CANARY, window))
+        errors = await self.query(count_query(ctx, CANARY, window, "error"))
+        return requests or 0.0, errors or 0.0
 
     # traffic
     def traffic(self, prompts: list[str], rate: float, max_tokens: int) -> Traffic:

@@ -5,9 +5,13 @@ CRDs from crds/, three `graft serve` pods on 127.0.0.2-4 (the real SmolLM2 model
 enabled), a real Prometheus scraping them, and `graft operator` as its own process (tick 1 s).
 Client traffic (about one BBH request a second, 4 tokens each) runs through a pod-ratio router the
 whole time; every outcome is kept, so each scenario can say which client requests failed and why.
-The rollouts are the manifests of examples/, shortened by `graft.demo.demo_rollout` (seconds-long
-pauses, 20 s windows, a 2-3 s analysis interval). Each scenario starts once every engine is at
-`base` and keeps up with the traffic, and ends by deleting its rollout and reverting every engine. The operator log and the pod logs are under the
+The rollouts are the manifests of examples/ as `graft demo` runs them (`graft.demo.demo_rollout`:
+seconds-long pauses, a 2-3 s analysis interval, the checks as the file has them). Such a fleet
+cannot gather the ~3000 canary requests the default error-rate-delta gate needs at the last step
+with stable pods, so the examples that keep the default gates run here with the gate of
+examples/rollout-cpu-fleet.yaml (sized for one request a second, as its comment says). Each scenario
+starts once every engine is at `base` and keeps up with the traffic, and ends by deleting its
+rollout and reverting every engine. The operator log and the pod logs are under the
 cluster's workdir (pytest's tmp folder, `devcluster*/operator.log`, `devcluster*/pods/*.log`);
 a failed scenario's report shows their tails, the rollout's status and its Events.
 
@@ -15,9 +19,10 @@ Against a real cluster: set
 - `GRAFT_E2E_KUBECONFIG` (and optionally `GRAFT_E2E_CONTEXT`): the cluster to use;
 - `GRAFT_E2E_NAMESPACE` (default `llm`): where an engine Deployment labelled `app=llm-engine` runs,
   its engines started with `--enable-test-patches` (scenarios 2 and 3 use the test patches);
-- `GRAFT_E2E_PROMETHEUS`: the Prometheus address the rollouts name, as the operator reaches it
-  (its targets labelled `namespace` and `pod`, as the chart's scrape config does, and scraped
-  every few seconds: the checks' 20 s windows need two samples);
+- `GRAFT_E2E_PROMETHEUS`: the Prometheus the operator queries (its GRAFT_PROMETHEUS_ADDRESS: the
+  rollouts name none), as the tests reach it (its targets labelled `namespace` and `instance`, as
+  the chart's scrape config does, and scraped every few seconds: the checks' windows need two
+  samples);
 - `GRAFT_E2E_ADMIN_TOKEN`, or `GRAFT_E2E_TOKEN_SECRET` (default `graft-admin-token`, key `token`):
   the engines' admin token.
 The operator and the CRD must be installed (the Helm chart), and the tests must reach the pod IPs
@@ -29,6 +34,7 @@ that reason.
 from __future__ import annotations
 
 import asyncio
+import copy
 import re
 import secrets
 import signal
@@ -37,12 +43,15 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import yaml
+from scipy.stats import binom
 
 from graft.demo import demo_rollout
 from graft.devcluster.cluster import ROOT
 from graft.devcluster.traffic import Outcome
 from graft.rollout.durations import parse_duration
-from graft.rollout.queries import BUILTIN_QUERIES, render
+from graft.rollout.queries import CANARY, Context, quantile_query
+from graft.rollout.spec import DEFAULT_BREAKERS, parse_spec
 from graft.rollout.status import from_time
 from tests.e2e.fleet import SCRAPE_INTERVAL, ClientLoad, Fleet, Recorder, Sample, canary_pods
 
@@ -51,26 +60,26 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.asyncio(loop_scope=
 RUN = secrets.token_hex(2)     # rollout names are new on every run: a real cluster keeps old Events
 PAUSE = "3s"
 INTERVAL = 2.0                 # seconds between analysis runs
-WINDOW = "20s"                 # every check's window (demo_rollout's)
-# Scenarios other than the latency one are not about latency: on a loaded CPU a cold prefill of a
-# BBH prompt (a restarted engine, a patch that drains) takes seconds, which must not roll them back.
-LATENCY_MAX = 30.0
 FINAL_TIMEOUT = 240            # generous: the machine may be shared; decisions are asserted exactly
 STEP_EVENTS = ("StepStarted", "PodsPatched", "WeightSet")
+# the gates a fleet of about one request a second can settle, and the runs that takes (the comment of
+# rollout-cpu-fleet.yaml)
+CPU_FLEET = yaml.safe_load((ROOT / "examples" / "rollout-cpu-fleet.yaml").read_text())["spec"]["analysis"]
 
 
 def rollout(fleet: Fleet, example: str, scenario: str, *, interval: float = INTERVAL,
-            min_requests: int = 3, latency_max: float = LATENCY_MAX) -> dict[str, Any]:
-    """An examples/ manifest made short (graft.demo.demo_rollout), named for this scenario and run."""
-    ro = demo_rollout(ROOT / "examples" / example, fleet.namespace, fleet.prometheus_url, PAUSE,
-                      f"{interval:g}s", latency_max)
+            cpu_fleet_gates: bool = False) -> dict[str, Any]:
+    """An examples/ manifest as the demo runs it, named for this scenario and run; `cpu_fleet_gates`
+    gives it the gates and inconclusiveLimit of rollout-cpu-fleet.yaml (its own gates would hold
+    at the last step with stable pods until the rollout paused)."""
+    ro = demo_rollout(ROOT / "examples" / example, fleet.namespace, PAUSE, f"{interval:g}s")
     ro["metadata"]["name"] = f"e2e-{scenario}-{RUN}"
-    analysis = ro["spec"]["analysis"]
-    # a canary pod gets a third of ~1 request/s: 3 requests in a 20 s window is what it can show
-    analysis["minRequests"] = min_requests
-    for m in analysis["metrics"]:
-        if m["name"] == "latency-p99":
-            m["max"] = latency_max
+    if cpu_fleet_gates:
+        analysis = ro["spec"]["analysis"]
+        # naming gates replaces the whole default analysis: an example without breakers keeps the defaults
+        analysis.setdefault("breakers", copy.deepcopy(DEFAULT_BREAKERS))
+        analysis["gates"] = copy.deepcopy(CPU_FLEET["gates"])
+        analysis["inconclusiveLimit"] = CPU_FLEET["inconclusiveLimit"]
     return ro
 
 
@@ -149,7 +158,7 @@ def assert_step_events(events: list[dict[str, Any]], steps: int) -> None:
 
 async def test_builtin_patch_is_promoted_step_by_step(fleet: Fleet, traffic: ClientLoad):
     """kv-align@3.2.1 through 1, 5, 20, 50, 100 % of the pods: every pod patched, nothing failed."""
-    ro = rollout(fleet, "rollout-builtin.yaml", "promote")
+    ro = rollout(fleet, "rollout-cpu-fleet.yaml", "promote")
     name, revision, n = ro["metadata"]["name"], revision_of(ro), fleet.expected_pods
     weights = [s["weight"] for s in ro["spec"]["steps"]]
     assert weights == [1, 5, 20, 50, 100]
@@ -185,24 +194,26 @@ async def test_builtin_patch_is_promoted_step_by_step(fleet: Fleet, traffic: Cli
 
 
 async def test_faulty_patch_is_rolled_back_at_the_first_step(fleet: Fleet, traffic: ClientLoad):
-    """fault@1 fails requests: rolled back at step 1 within three analysis intervals of the data."""
+    """fault@1 fails 30% of its requests: its error-rate breaker rolls it back at step 1, within
+    its `consecutive` runs (and one more interval) of the data showing a breach."""
     interval = 3.0
-    ro = rollout(fleet, "rollout-fault-test.yaml", "fault", interval=interval, min_requests=1)
-    # The drill's 5% of a third of ~1 request/s is one error every minute or so: too slow and too
-    # random for a test. 30% shows within seconds, and a step-1 pause of 90 s makes sure the step
-    # cannot pass before it does (0.7^30: no chance). minRequests 1: the stable side has no errors,
-    # so one canary request with an error is a signal, and the clock below starts at that data.
-    ro["spec"]["patch"]["config"] = {"errorRate": 0.3, "latencyMs": 0}
+    ro = rollout(fleet, "rollout-fault-test.yaml", "fault", interval=interval)
+    # a step-1 pause of 90 s: the step cannot end before the breaker has its evidence
     ro["spec"]["steps"][0]["pause"] = "90s"
     name, revision = ro["metadata"]["name"], revision_of(ro)
-    error_rate = render(BUILTIN_QUERIES["error-rate"],
-                        {"namespace": fleet.namespace, "canaryRevision": revision, "window": WINDOW})
-    first_data: list[float] = []
+    (breaker,) = parse_spec(ro["spec"]).analysis.breakers
+    confidence = parse_spec(ro["spec"]).analysis.rollback_confidence
+    assert breaker.name == "error-rate" and breaker.consecutive == 2
+    first_breach: list[float] = []
 
     async def watch_errors() -> None:
-        while not first_data:
-            if await fleet.query(error_rate):
-                first_data.append(time.time())
+        """The test's own verdict on the breaker's window: would these counts be rarer than
+        1 - rollbackConfidence at the breaker's limit?"""
+        while not first_breach:
+            n, k = await fleet.counts(revision, breaker.window)
+            n, k = round(n), round(k)
+            if k and binom.sf(k - 1, n, breaker.max) < 1 - confidence:
+                first_breach.append(time.time())
             await asyncio.sleep(0.25)
 
     started = time.time()
@@ -217,11 +228,11 @@ async def test_faulty_patch_is_rolled_back_at_the_first_step(fleet: Fleet, traff
     st = final.status
     assert final.phase == "RolledBack", st.get("message")
     assert st["reason"] == "AnalysisFailed" and st["stepIndex"] == 0
-    assert st["analysis"]["verdict"] == "Failed"
-    assert first_data, "Prometheus never showed a canary error"
+    assert st["analysis"]["verdict"] == "Failed" and "breaker error-rate" in st["message"]
+    assert first_breach, "Prometheus never showed the canary breaching"
     decided = from_time(st["analysis"]["lastRun"])
-    assert decided - first_data[0] <= 3 * interval, \
-        f"rolled back {decided - first_data[0]:.1f}s after the first failing data (interval {interval:g}s)"
+    assert decided - first_breach[0] <= (breaker.consecutive + 1) * interval, \
+        f"rolled back {decided - first_breach[0]:.1f}s after the data first breached (interval {interval:g}s)"
     events = await fleet.events(name)
     rs = reasons(events)
     assert rs.index("AnalysisFailed") < rs.index("RollingBack") < rs.index("RolledBack")
@@ -232,8 +243,8 @@ async def test_faulty_patch_is_rolled_back_at_the_first_step(fleet: Fleet, traff
     canaries = {p for s in rec.samples for p in s.recorded("canary")}
     assert canaries and any(o.pod in canaries for o in traffic.failed(started)), "no request saw the fault"
     injected = sorted(o.at + o.latency for o in traffic.failed(started) if o.status == 500)
-    print(f"injected errors answered {[round(t - started, 1) for t in injected[:3]]}s after the start, seen in Prometheus "
-          f"{first_data[0] - started:.1f}s, rolled back by the analysis run {decided - first_data[0]:.1f}s later")
+    print(f"injected errors answered {[round(t - started, 1) for t in injected[:3]]}s after the start, a breach "
+          f"in Prometheus {first_breach[0] - started:.1f}s, rolled back by the run {decided - first_breach[0]:.1f}s later")
     assert_clients(traffic, started, final.t, allowed=lambda o: (
         o.status == 500 and "injected fault" in o.error and o.pod in canaries and o.at <= final.t))
 
@@ -246,6 +257,9 @@ async def settled(fleet: Fleet, revision: str, track: str) -> bool:
     return True
 
 
+WINDOW = "20s"                 # the latency scenario's window
+
+
 async def test_latency_regression_is_rolled_back_on_p99(fleet: Fleet, traffic: ClientLoad):
     """slow@1 adds 300 ms to every request and fails none: latency-p99 alone rolls it back."""
     # The threshold comes from the fleet as it is: the stable p99 over the checks' own window, read
@@ -253,17 +267,19 @@ async def test_latency_regression_is_rolled_back_on_p99(fleet: Fleet, traffic: C
     # leaves latency alone stays under it, slow@1 goes over. The window read must hold only
     # requests of the steady fleet, none from before it kept up with the traffic.
     await asyncio.sleep(max(0.0, traffic.warm_at + parse_duration(WINDOW) + 3 * SCRAPE_INTERVAL - time.time()))
-    stable_p99 = await fleet.query(render(BUILTIN_QUERIES["latency-p99"], {
-        "namespace": fleet.namespace, "canaryRevision": "base", "window": WINDOW}))
+    stable_p99 = await fleet.query(quantile_query(Context(fleet.namespace, "base", "base"), CANARY,
+                                                  "graft_request_duration_seconds", 0.99, parse_duration(WINDOW)))
     assert stable_p99 is not None, "no stable latency in Prometheus"
     threshold = round(stable_p99 + 0.15, 3)
 
-    ro = rollout(fleet, "rollout-builtin.yaml", "slow")
+    ro = rollout(fleet, "rollout-cpu-fleet.yaml", "slow")
     ro["spec"]["patch"] = {"name": "slow", "version": "1", "source": {"builtin": {}}}
     ro["spec"]["steps"][0]["pause"] = "90s"    # step 1 may not pass before its data is judged
-    ro["spec"]["analysis"]["metrics"] = [
+    # a p99 needs 200 samples by default; one canary pod of this fleet answers a few requests in the
+    # window, so the breaker is told to judge on 3 (its p99 is then the slowest of them)
+    ro["spec"]["analysis"]["breakers"] = [
         {"name": "error-rate", "max": 0.005, "window": WINDOW},
-        {"name": "latency-p99", "max": threshold, "window": WINDOW},
+        {"name": "latency-p99", "max": threshold, "window": WINDOW, "minSamples": 3},
     ]
     name = ro["metadata"]["name"]
     started = time.time()
@@ -278,7 +294,7 @@ async def test_latency_regression_is_rolled_back_on_p99(fleet: Fleet, traffic: C
     assert results["latency-p99"]["verdict"] == "Failed" and results["latency-p99"]["value"] > threshold
     assert results["error-rate"]["verdict"] != "Failed"
     failed_checks = [e["message"] for e in await fleet.events(name) if e["reason"] == "AnalysisFailed"]
-    assert failed_checks and all(m.startswith("latency-p99") for m in failed_checks), failed_checks
+    assert failed_checks and all(m.startswith("breaker latency-p99") for m in failed_checks), failed_checks
     await fleet.wait_for(lambda: settled(fleet, "base", "stable"), 30, "every pod back at base")
     assert_clients(traffic, started, final.t)
     print(f"stable p99 {stable_p99:.3f}s, threshold {threshold:.3f}s, canary p99 "
@@ -288,7 +304,7 @@ async def test_latency_regression_is_rolled_back_on_p99(fleet: Fleet, traffic: C
 async def test_operator_restart_resumes_the_same_step(fleet: Fleet, traffic: ClientLoad):
     """SIGKILL the operator mid-step: the new one resumes that step and patches no pod twice."""
     local = fleet.require_local("SIGKILL of the operator")
-    ro = rollout(fleet, "rollout-prefill-fusion.yaml", "restart")
+    ro = rollout(fleet, "rollout-prefill-fusion.yaml", "restart", cpu_fleet_gates=True)
     ro["spec"]["steps"][1]["pause"] = "20s"    # the step the operator dies in: it outlasts the restart
     name, revision = ro["metadata"]["name"], revision_of(ro)
     weights = [s["weight"] for s in ro["spec"]["steps"]]
@@ -332,7 +348,7 @@ async def test_killed_engine_comes_back_on_its_track(fleet: Fleet, traffic: Clie
     """A canary engine killed mid-rollout restarts patched, and the rollout still promotes."""
     local = fleet.require_local("killing an engine process")
     assert local.pods is not None
-    ro = rollout(fleet, "rollout-sync-free.yaml", "crash")
+    ro = rollout(fleet, "rollout-sync-free.yaml", "crash", cpu_fleet_gates=True)
     ro["spec"]["steps"][1]["pause"] = "30s"    # time for the engine to come back within the step
     name, revision = ro["metadata"]["name"], revision_of(ro)
     weight = ro["spec"]["steps"][1]["weight"]
@@ -368,34 +384,49 @@ async def test_killed_engine_comes_back_on_its_track(fleet: Fleet, traffic: Clie
     print(f"{victim} back {came_back - killed:.1f}s after the kill")
 
 
-async def test_prometheus_outage_holds_the_rollout(fleet: Fleet, traffic: ClientLoad):
-    """Prometheus down mid-step: the rollout holds at its weight; back up, it goes on to Promoted."""
+async def test_prometheus_outage_pauses_the_rollout_until_resumed(fleet: Fleet, traffic: ClientLoad):
+    """Prometheus down mid-step: the rollout holds at its weight, and after errorLimit failed runs
+    pauses for a person (spec.paused, an AnalysisErrorLimit Event); Prometheus back and the rollout
+    resumed, it goes on to Promoted."""
     local = fleet.require_local("stopping Prometheus")
     assert local.prometheus is not None
-    ro = rollout(fleet, "rollout-builtin.yaml", "outage")
+    ro = rollout(fleet, "rollout-cpu-fleet.yaml", "outage")
     ro["spec"]["steps"][1]["pause"] = "6s"     # the outage outlasts it: only the analysis holds the step
     name, weight = ro["metadata"]["name"], ro["spec"]["steps"][1]["weight"]
-    outage = 15.0
+    error_limit = parse_spec(ro["spec"]).analysis.error_limit
     started = time.time()
     async with Recorder(fleet, name) as rec:
         await fleet.apply(ro)
         held = await rec.until(lambda s: s.step == 1 and s.weight == weight, FINAL_TIMEOUT, "step 2 in place")
         await asyncio.to_thread(local.prometheus.stop)
         stopped = time.time()
-        await asyncio.sleep(outage)
+        try:
+            paused = await rec.until(lambda s: s.phase == "Paused", (error_limit + 3) * INTERVAL + 10,
+                                     f"a pause after {error_limit} failed runs")
+        finally:
+            await asyncio.to_thread(local.prometheus.start)
         down = rec.between(stopped, time.time())
-        await asyncio.to_thread(local.prometheus.start)
+        obj = await fleet.rollout(name)
+        assert obj["spec"]["paused"] is True, "the operator wrote spec.paused"
+        await asyncio.sleep(3 * INTERVAL)
+        assert rec.last.phase == "Paused", "Prometheus is back, but a paused rollout waits for a person"
+        reply = await fleet.api.patch(fleet.rollout_path(name), json={"spec": {"paused": False}},
+                                      headers={"content-type": "application/merge-patch+json"})
+        reply.raise_for_status()                 # what `graft rollout resume` does
         final = await rec.final(FINAL_TIMEOUT)
 
     assert final.phase == "Promoted", final.status.get("message")
+    assert paused.status["reason"] == "AnalysisErrorLimit" and paused.status["analysis"]["errorRuns"] >= error_limit
     assert down and all(s.phase in ("Progressing", "Paused") for s in down), {s.phase for s in down}
     assert {(s.step, s.weight) for s in down} == {(1, held.weight)}, "the rollout moved while Prometheus was down"
     assert any(s.status["analysis"].get("verdict") == "Error" for s in down)
     events = await fleet.events(name)
     assert_step_events(events, len(ro["spec"]["steps"]))
+    rs = reasons(events)
+    assert rs.index("AnalysisErrorLimit") < rs.index("Resumed") < rs.index("Promoted")
     weight_set = next(i for i, e in enumerate(events) if e["reason"] == "WeightSet" and step_of(e) == 2)
     next_step = next(i for i, e in enumerate(events) if e["reason"] == "StepStarted" and step_of(e) == 3)
     holding = [e["message"] for e in events[weight_set:next_step] if e["reason"] == "AnalysisInconclusive"]
     assert any("Error" in m for m in holding), holding
-    assert reasons(events)[-1] == "Promoted" and "RollingBack" not in reasons(events)
+    assert rs[-1] == "Promoted" and "RollingBack" not in rs
     assert_clients(traffic, started, final.t)
