@@ -150,13 +150,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def probe_logits(self, token_ids: list[int], slots: SlotTable, scratch_blocks: list[int]) -> torch.Tensor:
-        """Logits of every position of `token_ids`, computed in scratch blocks; used by patch verify()."""
+        """Logits of every position of `token_ids`, computed in scratch blocks; used by the patch self-check.
+
+        The tokens go through the paths a request takes: a first prefill chunk, a second chunk over
+        the cached first (`kv.gather`), and the last token as a decode step (`attention.decode`), so
+        a patch that is wrong in any of them changes the logits.
+        """
         bs = self.config.block_size
         n = len(token_ids)
-        assert len(scratch_blocks) * bs >= n, "probe needs more scratch blocks"
-        seq = Sequence(prompt_token_ids=list(token_ids))
+        assert n >= 3 and len(scratch_blocks) * bs >= n, "probe needs 3 tokens and room for them"
+        seq = Sequence(prompt_token_ids=list(token_ids[:-1]))
         seq.block_table = list(scratch_blocks)
-        batch = ScheduledBatch(prefills=[(seq, n)], decodes=[], preempted=[])
-        step = self.prepare(batch)
-        step.ctx.logits_indices = torch.arange(n, device=self.device)
-        return self.forward(step, slots).float()
+        logits = []
+        for chunk in ((n - 1) // 2, n - 1 - (n - 1) // 2):
+            step = self.prepare(ScheduledBatch(prefills=[(seq, chunk)], decodes=[], preempted=[]))
+            step.ctx.logits_indices = torch.arange(chunk, device=self.device)
+            logits.append(self.forward(step, slots))
+            seq.num_computed_tokens += chunk
+        seq.output_token_ids.append(token_ids[-1])
+        logits.append(self.forward(self.prepare(ScheduledBatch(prefills=[], decodes=[seq], preempted=[])), slots))
+        return torch.cat(logits).float()
