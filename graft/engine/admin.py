@@ -7,6 +7,10 @@ patch, 409 for a conflicting one, 422 when a patch fails its self-check (already
 bundle fails to load: it raises, exits, or overruns `--bundle-timeout`. Every error is JSON:
 `{"error": {"code", "message"}}`.
 
+`"replace": true` in a POST body swaps the applied version of that patch for the requested one in
+a single step-loop swap (one self-check; on failure the applied version stays). Without it another
+applied version answers 409, so a client that did not ask for a swap never gets one.
+
 It binds 127.0.0.1 unless `--admin-host` says otherwise, and speaks TLS when given a certificate.
 A token read from a file (a mounted Secret) is read again whenever the file changes, so a rotated
 Secret takes effect without a restart.
@@ -119,6 +123,7 @@ def build_admin_app(manager: PatchManager, token: AdminToken | None) -> FastAPI:
             raise PatchError(400, "the body must be a JSON object")
         name, version, source = body.get("name"), body.get("version"), body.get("source")
         config = body.get("config") or {}
+        replace = body.get("replace", False)
         _check_name(name)
         if not isinstance(version, str) or not VERSION_RE.fullmatch(version):
             raise PatchError(400, "version: required, a version string")
@@ -127,7 +132,9 @@ def build_admin_app(manager: PatchManager, token: AdminToken | None) -> FastAPI:
                                   "{\"module\": ..., \"digest\": \"sha256:...\", \"signature\": ...}")
         if not isinstance(config, dict):
             raise PatchError(400, "config: must be an object")
-        result = await manager.apply(name, version, source, config)
+        if not isinstance(replace, bool):
+            raise PatchError(400, "replace: must be true or false")
+        result = await manager.apply(name, version, source, config, replace=replace)
         return JSONResponse(result)
 
     @app.delete("/admin/patches/{name}")

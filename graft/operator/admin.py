@@ -51,11 +51,17 @@ class AdminClient:
         return (await self._call("GET", host, port, "/admin/patches"))["revision"]
 
     async def apply(self, host: str, port: int, name: str, version: str, source: dict[str, Any],
-                    config: dict[str, Any] | None = None) -> str:
-        """Apply a patch (POST /admin/patches); returns the new revision."""
-        body = {"name": name, "version": version, "source": source}
+                    config: dict[str, Any] | None = None, replace: bool = False) -> str:
+        """Apply a patch (POST /admin/patches); returns the new revision.
+
+        With `replace` the engine swaps out the applied version of `name` in the same step (no
+        window without either); without it, another applied version is a "conflict".
+        """
+        body: dict[str, Any] = {"name": name, "version": version, "source": source}
         if config:
             body["config"] = config
+        if replace:
+            body["replace"] = True
         return (await self._call("POST", host, port, "/admin/patches", json=body))["revision"]
 
     async def revert(self, host: str, port: int, name: str) -> str:

@@ -31,10 +31,12 @@ class Patch:
 
     `migrate(engine)` prepares live state for the patched form (e.g. builds fused weights); it runs
     before the swap, off the step loop, while the old table still serves, so it may only add state
-    the old table ignores. `unmigrate(engine)` drops it after a revert. `tolerance` is the largest
-    absolute logit difference the self-check accepts on the probe prompt. A patch with
-    `live_switch=False` cannot take over sequences mid-flight: the engine preempts (recomputes)
-    running work around the swap.
+    the old table ignores. `unmigrate(engine)` drops it after a revert. When one version replaces
+    another, the new one's `migrate` runs while the old one serves, and the old one's `unmigrate`
+    runs after the swap unless both versions share the same `unmigrate` (then they share the state
+    and it stays). `tolerance` is the largest absolute logit difference the self-check accepts on
+    the probe prompt. A patch with `live_switch=False` cannot take over sequences mid-flight: the
+    engine preempts (recomputes) running work around the swap.
     """
 
     name: str

@@ -5,6 +5,10 @@ pass ever sees half a table. Right after a swap the self-check runs the probe pr
 its logits with those recorded under the previous table; beyond the patch's tolerance, or when the
 probe raises, the swap is undone before the step loop runs another step, and the caller hears why
 (422). Swap, probe and commit are one transaction: no request ever runs on a table that failed.
+
+A replace (`apply(..., replace=True)`) is the same transaction with the applied version of the
+same-named patch taken out in the very swap that puts the new one in: every step runs either the
+old version or the new one, never neither, and a failed self-check leaves the old one applied.
 """
 from __future__ import annotations
 
@@ -82,7 +86,7 @@ class PatchManager:
         self.available: dict[str, Patch] = registry.discover(include_test=enable_test_patches)
         self.verifier = verifier or BundleVerifier([])
         self.bundle_timeout = bundle_timeout
-        self.applied: dict[str, Applied] = {}      # by patch name
+        self.applied: dict[str, Applied] = {}      # by patch name; replaced whole, never changed in place
         self.base_slots = engine.slots
         self._lock = asyncio.Lock()
         self._bundles: dict[str, list[Patch]] = {}  # digest -> the patches of a bundle loaded once
@@ -153,9 +157,25 @@ class PatchManager:
                                   f"({', '.join(SLOT_NAMES)})")
         return slots
 
-    async def _unmigrate(self, patch: Patch) -> None:
-        """Drop what `migrate` added, off the step loop, once the table no longer uses it."""
-        if patch.unmigrate:
+    async def _migrate(self, patch: Patch, current: Applied | None) -> None:
+        """Run `patch.migrate` off the step loop: the costly part, while the current table serves."""
+        if not patch.migrate:
+            return
+        try:
+            await run_guarded(patch.migrate, self.engine, timeout=self._time_limit(patch), what=f"{patch.id} migrate()")
+        except Exception as exc:
+            await self._unmigrate(patch, keep=current)
+            if isinstance(exc, PatchError):
+                raise
+            raise PatchError(422, f"{patch.id} migrate() failed: {describe(exc)}") from None
+
+    async def _unmigrate(self, patch: Patch, keep: Applied | None = None) -> None:
+        """Drop what `migrate` added, off the step loop, once the table no longer uses it.
+
+        `keep` is the version of the same patch that stays (or comes) in: when both versions share
+        one `unmigrate`, they share the state it drops, which the version that stays still uses.
+        """
+        if patch.unmigrate and (keep is None or keep.patch.unmigrate is not patch.unmigrate):
             try:
                 await run_guarded(patch.unmigrate, self.engine, timeout=self._time_limit(patch),
                                   what=f"{patch.id} unmigrate()")
@@ -164,39 +184,45 @@ class PatchManager:
 
     # apply / revert
     async def apply(self, name: str, version: str, source: Mapping[str, Any],
-                    config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    config: Mapping[str, Any] | None = None, *, replace: bool = False) -> dict[str, Any]:
+        """Apply `name@version`; with `replace`, in place of the applied version of `name`, if any.
+
+        Without `replace` another applied version of `name` is a conflict (409), so a caller that
+        did not ask for a swap never gets one.
+        """
         async with self._lock:
             digest = self.admit(name, version, source)
             current = self.applied.get(name)
             if current is not None:  # answered before any code of the request runs
                 if current.patch.version == version and current.patch.digest == digest:
                     return {"revision": self.revision, "applyMs": 0.0, "changed": False}
-                raise PatchError(409, f"{current.patch.id} is applied; revert it before applying {name}@{version}")
+                if not replace:
+                    raise PatchError(409, f"{current.patch.id} is applied; apply {name}@{version} with "
+                                          f"\"replace\": true to swap it in atomically (or revert {name} first)")
             patch = await self.resolve(name, version, source, digest)
             slots = await self._slots_for(patch, config or {})
-            clash = {s: a.patch.id for a in self.applied.values() for s in a.slots if s in slots}
+            clash = {s: a.patch.id for a in self.applied.values() if a.patch.name != name
+                     for s in a.slots if s in slots}
             if clash:
                 raise PatchError(409, f"{patch.id} replaces patch points already patched: {clash}")
-            if patch.migrate:  # the costly part, off the step loop: the old table ignores what it adds
-                try:
-                    await run_guarded(patch.migrate, self.engine, timeout=self._time_limit(patch),
-                                      what=f"{patch.id} migrate()")
-                except Exception as exc:
-                    await self._unmigrate(patch)
-                    if isinstance(exc, PatchError):
-                        raise
-                    raise PatchError(422, f"{patch.id} migrate() failed: {describe(exc)}") from None
-            fut = self.engine.call_between_steps(lambda: self._swap_in(patch, slots, config or {}))
+            await self._migrate(patch, current)
+            fut = self.engine.call_between_steps(lambda: self._swap_in(patch, slots, config or {}, current))
             try:
                 applied, verdict = await asyncio.wrap_future(fut)
             except Exception:
-                await self._unmigrate(patch)
+                await self._unmigrate(patch, keep=current)
                 raise
             if verdict is not None:
-                await self._unmigrate(patch)
+                await self._unmigrate(patch, keep=current)
                 self.engine.metrics.patch_failures.labels(patch.name, "verify").inc()
-                raise PatchError(422, f"{patch.id} failed its self-check and was reverted: {verdict}")
-            log.info("applied %s in %.2f ms (self-check %.1f ms)", patch.id, applied.apply_ms, applied.verify_ms)
+                kept = f"; {current.patch.id} stays applied" if current is not None else " and was reverted"
+                raise PatchError(422, f"{patch.id} failed its self-check{kept}: {verdict}")
+            if current is not None:
+                await self._unmigrate(current.patch, keep=applied)
+                log.info("replaced %s with %s in %.2f ms (self-check %.1f ms)", current.patch.id, patch.id,
+                         applied.apply_ms, applied.verify_ms)
+            else:
+                log.info("applied %s in %.2f ms (self-check %.1f ms)", patch.id, applied.apply_ms, applied.verify_ms)
             return {"revision": self.revision, "applyMs": round(applied.apply_ms, 3),
                     "verifyMs": round(applied.verify_ms, 3), "changed": True}
 
@@ -218,12 +244,11 @@ class PatchManager:
                 raise SystemExit(f"GRAFT_PATCHES: cannot apply {name}@{version}: {exc.message}") from None
 
     # the step loop side
-    def _table(self, extra: Mapping[str, Any] | None = None, without: str | None = None):
+    def _table(self, applied: Mapping[str, Applied]):
         table = self.base_slots
-        for a in self.applied.values():
-            if a.patch.name != without:
-                table = table.with_slots(a.slots)
-        return table.with_slots(extra) if extra else table
+        for a in applied.values():
+            table = table.with_slots(a.slots)
+        return table
 
     def _probe(self, slots) -> torch.Tensor:
         return self.engine.runner.probe_logits(self._probe_ids, slots, self.engine.probe_blocks)
@@ -240,16 +265,24 @@ class PatchManager:
         self.engine.revision = new
         self.engine.metrics.set_revision(old, new)
 
-    def _swap_in(self, patch: Patch, slots: Mapping[str, Any], config: Mapping[str, Any]):
+    def _swap_in(self, patch: Patch, slots: Mapping[str, Any], config: Mapping[str, Any],
+                 current: Applied | None):
+        """Swap `patch` in (and `current`, the applied version of its name, out), probe, then commit or undo.
+
+        One call between two steps: no step runs on the new table before the probe passed, and
+        nothing (revision, metrics) changes until it has, so a refused swap leaves no trace but
+        its failure count.
+        """
         engine = self.engine
         before = self._reference()
+        old_table = engine.slots
         t0 = time.perf_counter()
-        if not patch.live_switch:
+        if not patch.live_switch or (current is not None and not current.patch.live_switch):
             engine.scheduler.preempt_all()
-        engine.slots = self._table(slots)
-        self.applied[patch.name] = applied = Applied(
-            patch, slots, datetime.now(timezone.utc).isoformat(timespec="milliseconds"), 0.0, 0.0, config)
-        self._set_revision()
+        applied = Applied(patch, slots, datetime.now(timezone.utc).isoformat(timespec="milliseconds"), 0.0, 0.0,
+                          config)
+        tentative = {**self.applied, patch.name: applied}   # `current`, if any, goes in the same stroke
+        engine.slots = self._table(tentative)
         applied.apply_ms = (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
         try:
@@ -258,12 +291,16 @@ class PatchManager:
         except BaseException as exc:  # a probe that raises is a failed self-check: the old table comes back
             verdict = f"the probe raised {describe(exc)}"
         applied.verify_ms = (time.perf_counter() - t1) * 1000
-        if verdict is not None:
-            self._swap_out(applied)
+        if verdict is not None:  # no step ran on the new table: its KV entries are the old table's
+            engine.slots = old_table
             return applied, verdict
+        self.applied = tentative
+        self._set_revision()
         self._probe_cache[engine.revision] = after
+        if current is not None:
+            self._forget(current.patch)
         engine.metrics.patch_info.labels(patch.name, patch.version, patch.digest).set(1)
-        engine.metrics.patch_apply.labels("apply").observe(applied.apply_ms / 1000)
+        engine.metrics.patch_apply.labels("apply" if current is None else "replace").observe(applied.apply_ms / 1000)
         return applied, None
 
     def _swap_out(self, applied: Applied) -> float:
@@ -271,14 +308,17 @@ class PatchManager:
         t0 = time.perf_counter()
         if not applied.patch.live_switch:
             engine.scheduler.preempt_all()
-        self.applied.pop(applied.patch.name, None)
-        engine.slots = self._table()
+        self.applied = {name: a for name, a in self.applied.items() if name != applied.patch.name}
+        engine.slots = self._table(self.applied)
         self._set_revision()
         ms = (time.perf_counter() - t0) * 1000
-        p = applied.patch
-        try:
-            engine.metrics.patch_info.remove(p.name, p.version, p.digest)
-        except KeyError:
-            pass
+        self._forget(applied.patch)
         engine.metrics.patch_apply.labels("revert").observe(ms / 1000)
         return ms
+
+    def _forget(self, patch: Patch) -> None:
+        """Drop the `graft_patch_info` series of a patch no longer applied."""
+        try:
+            self.engine.metrics.patch_info.remove(patch.name, patch.version, patch.digest)
+        except KeyError:
+            pass

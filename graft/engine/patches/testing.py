@@ -4,7 +4,10 @@
   apply call's `config` ({"errorRate": 0.05, "latencyMs": 0}) or GRAFT_FAULT_ERROR_RATE /
   GRAFT_FAULT_LATENCY_MS);
 - `slow@1` adds 300 ms to every request and fails none (a latency-only regression);
-- `skew@1` is numerically wrong (attention output scaled), so the self-check must refuse it.
+- `skew@1` is numerically wrong (attention output scaled), so the self-check must refuse it;
+- `kv-align@3.2.2-test` is a second version of the built-in `kv-align@3.2.1` with the same results
+  by another path, to replace one with the other; `kv-align@3.2.2-skew` is a version whose values
+  are wrong, so a replace by it must fail its self-check and keep the applied version.
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import os
 import random
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from graft.engine import attention
 from graft.engine.patches.base import Patch
@@ -43,6 +48,19 @@ def _skewed_decode(q, k_cache, v_cache, block_tables, context_lens, scale, gathe
     return attention.decode_attention_per_seq(q, k_cache, v_cache, block_tables, context_lens, scale, gather) * 0.5
 
 
+def _gather_by_slot(k_cache, v_cache, block_table, context_len):
+    """`kv.gather` through one index of token slots over the flattened cache: `gather_aligned`'s result."""
+    block_size = k_cache.shape[1]
+    pos = torch.arange(context_len, device=k_cache.device)
+    slots = block_table.long()[pos // block_size] * block_size + pos % block_size
+    return k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
+
+
+def _skewed_gather(k_cache, v_cache, block_table, context_len):
+    k, v = attention.gather_aligned(k_cache, v_cache, block_table, context_len)
+    return k, v * 0.5
+
+
 def patches() -> list[Patch]:
     return [
         Patch("fault", "1", _fault_config({}), description="injects request errors and latency",
@@ -51,4 +69,8 @@ def patches() -> list[Patch]:
               test_only=True),
         Patch("skew", "1", {"attention.prefill": _skewed_prefill, "attention.decode": _skewed_decode},
               description="numerically wrong attention; the self-check refuses it", test_only=True),
+        Patch("kv-align", "3.2.2-test", {"kv.gather": _gather_by_slot},
+              description="kv-align by a per-token slot index: same values as 3.2.1", test_only=True),
+        Patch("kv-align", "3.2.2-skew", {"kv.gather": _skewed_gather},
+              description="kv-align with halved values; the self-check refuses it", test_only=True),
     ]
