@@ -22,6 +22,7 @@ OLD, NEW, SKEW = "3.2.1", "3.2.2-test", "3.2.2-skew"
 PROMPTS = ("The capital of France is", "def fibonacci(n):\n   ",
            "Q: A train leaves at 3 pm and travels for 2 hours. When does it arrive?\nA:")
 MAX_TOKENS = 6
+SWAPS = 10
 
 
 @pytest.fixture(scope="module")
@@ -96,20 +97,28 @@ class StreamingLoad:
             prompt = PROMPTS[i % len(PROMPTS)]
             body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            text, tokens = "", 0
-            async with client.stream("POST", "/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        text += f"<error: {event['error']['message']}>"
-                    for choice in event.get("choices", []):
-                        text += choice["text"]
-                    if event.get("usage"):
-                        tokens = event["usage"]["completion_tokens"]
-            self.answers.append((prompt, r.status_code, text, tokens))
+            try:
+                self.answers.append((prompt, *await self._stream(client, body)))
+            except httpx.HTTPError as exc:   # a dropped stream is a failed request too
+                self.answers.append((prompt, 0, repr(exc), 0))
             i += 1
+
+    @staticmethod
+    async def _stream(client: httpx.AsyncClient, body: dict) -> tuple[int, str, int]:
+        """(status, text, completion tokens) of one streamed completion; an error event shows in the text."""
+        text, tokens = "", 0
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    text += f"<error: {event['error']['message']}>"
+                for choice in event.get("choices", []):
+                    text += choice["text"]
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+        return r.status_code, text, tokens
 
 
 def test_replacing_back_and_forth_under_streaming_load_fails_no_request(engine):
@@ -118,14 +127,12 @@ def test_replacing_back_and_forth_under_streaming_load_fails_no_request(engine):
     metrics(engine)   # base's series are shown one last time, then dropped
     assert not series(metrics(engine), "graft_requests_total", revision="base")
     replaced = metric_value(metrics(engine), "graft_patch_apply_seconds_count", op="replace")
-    swaps = 0
     with StreamingLoad(engine) as load:
-        for cycle in range(10):
+        for cycle in range(SWAPS):
             version = (NEW, OLD)[cycle % 2]
             r = post(engine, version, replace=True)
             assert r.status_code == 200, r.text
             assert r.json()["changed"] is True and r.json()["revision"] == f"kv-align@{version}"
-            swaps += 1
             assert applied(engine) == (f"kv-align@{version}", [("kv-align", version)])
             text = metrics(engine)
             assert not series(text, "graft_requests_total", revision="base"), "a step ran without either version"
@@ -138,8 +145,8 @@ def test_replacing_back_and_forth_under_streaming_load_fails_no_request(engine):
                             revision=f"kv-align@{version}", status="ok")
     text = metrics(engine)
     assert not series(text, "graft_requests_total", revision="base")
-    assert metric_value(text, "graft_patch_apply_seconds_count", op="replace") == replaced + swaps
-    assert len(load.answers) >= swaps
+    assert metric_value(text, "graft_patch_apply_seconds_count", op="replace") == replaced + SWAPS
+    assert len(load.answers) >= SWAPS
     wrong = [a for a in load.answers if a[1:] != (200, reference[a[0]], MAX_TOKENS)]
     assert not wrong, f"{len(wrong)} of {len(load.answers)} answers differ from the greedy reference: {wrong[:3]}"
 
