@@ -50,11 +50,12 @@ class ClusterOptions:
     engine_threads: int = 1
     api_port: int = 0
     api_history: int = 20   # requests KMock keeps for assertions; each request scans them all
+    readiness_gates: tuple[str, ...] = ()   # condition types the engine pods wait for (e.g. graft.dev/patched)
 
 
 def engine_deployment(opts: ClusterOptions) -> dict[str, Any]:
     """The engine Deployment of the dev cluster: the chart's engine pod, sized for a CPU."""
-    return {
+    deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": "llm-engine", "namespace": opts.namespace, "labels": dict(APP)},
         "spec": {
@@ -80,6 +81,9 @@ def engine_deployment(opts: ClusterOptions) -> dict[str, Any]:
             },
         },
     }
+    if opts.readiness_gates:
+        deployment["spec"]["template"]["spec"]["readinessGates"] = [{"conditionType": t} for t in opts.readiness_gates]
+    return deployment
 
 
 class DevCluster:

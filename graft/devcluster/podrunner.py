@@ -36,6 +36,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -232,7 +233,7 @@ class PodRunner:
         name = pod["metadata"]["name"]
         c = self.containers.get(name)
         if c is None:
-            c = self.containers[name] = Container(name, self._free_ips.pop(0))
+            c = self.containers[name] = Container(name, self._take_ip(pod))
         if c.process is None or c.process.poll() is not None:
             if c.process is not None:
                 c.restarts += 1
@@ -242,6 +243,16 @@ class PodRunner:
                 log.warning("pod %s: container exited (%s); restarting", name, c.last_exit)
             await self._start(c, pod)
         return await self._sync_status(c, pod)
+
+    def _take_ip(self, pod: dict) -> str:
+        """A free pod IP: the first one on which no other process (another dev cluster on this
+        machine, say) already listens on a port the pod's containers declare."""
+        ports = [int(p["containerPort"]) for c in (pod.get("spec") or {}).get("containers") or []
+                 for p in c.get("ports") or [] if str(p.get("containerPort", "")).isdigit()]
+        for i, ip in enumerate(self._free_ips):
+            if all(_port_free(ip, port) for port in ports):
+                return self._free_ips.pop(i)
+        return self._free_ips.pop(0)  # all taken: the container will say so in its log
 
     # containers
     async def _resolve_env(self, pod: dict, container: dict, ip: str) -> dict[str, str]:
@@ -618,6 +629,16 @@ def _field_ref(pod: dict, path: str, ip: str) -> str:
     if path not in simple:
         raise ContainerError("CreateContainerConfigError", f"unsupported fieldRef {path}")
     return str(simple[path] or "")
+
+
+def _port_free(ip: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed socket's TIME_WAIT is no owner
+        try:
+            probe.bind((ip, port))
+        except OSError:
+            return False
+    return True
 
 
 def _port(container: dict, port: Any) -> int:

@@ -5,6 +5,7 @@ import asyncio
 
 import httpx
 import pytest
+import yaml
 
 from graft.devcluster.apimachinery import MergeList, StrategicError, strategic_merge
 from graft.devcluster.apiserver import ApiServer
@@ -79,19 +80,22 @@ async def test_a_strategic_patch_without_the_merge_key_is_refused_naming_the_fie
 async def test_kubectl_patch_of_a_pod_merges_containers_by_name(api, client, tmp_path):
     await running_pod(client)
     config = api.write_kubeconfig(tmp_path / "kubeconfig")
-    done = await asyncio.to_thread(run_kubectl, config, "patch", "pod", "p", "-p",
-                                   '{"spec": {"containers": [{"name": "engine", "env": [{"name": "B", "value": "2"}]}]}}')
+    patch = '{"spec": {"containers": [{"name": "engine", "env": [{"name": "B", "value": "2"}]}]}}'
+    done = await asyncio.to_thread(run_kubectl, config, "patch", "pod", "p", "-p", patch)  # strategic by default
     assert done.returncode == 0, done.stderr
     container = (await client.get(f"{PODS}/p")).json()["spec"]["containers"][0]
-    assert container["image"] == "graft" and container["env"] == [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]
+    assert container["image"] == "graft"
+    assert container["env"] == [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]
 
 
 def test_strategic_merge_directives():
     schema = {"spec": {"items": MergeList("name"), "tags": MergeList(None)}}
-    old = {"spec": {"items": [{"name": "a", "v": 1}, {"name": "b", "v": 2}], "tags": ["x", "y"], "keep": 1, "drop": 2}}
+    old = {"spec": {"items": [{"name": "a", "v": 1}, {"name": "b", "v": 2}], "tags": ["x", "y"],
+                    "keep": 1, "drop": 2}}
     patch = {"spec": {"items": [{"name": "c", "v": 3}, {"name": "a", "w": 1}],
                       "$setElementOrder/items": [{"name": "c"}, {"name": "a"}, {"name": "b"}],
-                      "tags": ["z", "x"], "$deleteFromPrimitiveList/tags": ["y"], "$retainKeys": ["items", "tags", "keep"]}}
+                      "tags": ["z", "x"], "$deleteFromPrimitiveList/tags": ["y"],
+                      "$retainKeys": ["items", "tags", "keep"]}}
     assert strategic_merge(old, patch, schema) == {"spec": {
         "items": [{"name": "c", "v": 3}, {"name": "a", "v": 1, "w": 1}, {"name": "b", "v": 2}],
         "tags": ["x", "z"], "keep": 1}}
@@ -151,3 +155,30 @@ async def test_kubectl_scale_sets_the_deployment_replicas(api, client, tmp_path)
                                    "--replicas", "2")
     assert done.returncode == 0, done.stderr
     assert (await client.get(f"{DEPLOYMENTS}/web")).json()["spec"]["replicas"] == 2
+
+
+async def test_kubectl_apply_of_a_changed_deployment_merges_its_lists_by_key(api, client, tmp_path):
+    """A second `kubectl apply` sends a three-way strategic merge patch: lists merged by key, a removed
+    env var as a `$patch: delete` element, `$setElementOrder` for the order."""
+    def manifest(env: list[dict]) -> str:
+        return yaml.safe_dump({
+            "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web", "namespace": "default"},
+            "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "web"}}, "template": {
+                "metadata": {"labels": {"app": "web"}},
+                "spec": {"containers": [{"name": "c", "image": "graft", "env": env}]}}}})
+
+    config = api.write_kubeconfig(tmp_path / "kubeconfig")
+    first = [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]
+    done = await asyncio.to_thread(run_kubectl, config, "apply", "-f", "-", stdin=manifest(first))
+    assert done.returncode == 0, done.stderr
+    # someone else adds a variable; the next apply must keep it (it was never in the manifest)
+    r = await client.patch(f"{DEPLOYMENTS}/web", headers=SMP, json={"spec": {"template": {"spec": {"containers": [
+        {"name": "c", "env": [{"name": "OTHER", "value": "x"}]}]}}}})
+    assert r.status_code == 200, r.text
+    second = [{"name": "C", "value": "3"}, {"name": "A", "value": "10"}]
+    done = await asyncio.to_thread(run_kubectl, config, "apply", "-f", "-", stdin=manifest(second))
+    assert done.returncode == 0, done.stderr
+    container = (await client.get(f"{DEPLOYMENTS}/web")).json()["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "graft"
+    assert {e["name"]: e["value"] for e in container["env"]} == {"A": "10", "C": "3", "OTHER": "x"}
+    assert [e["name"] for e in container["env"]][:2] == ["C", "A"]

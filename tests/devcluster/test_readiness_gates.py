@@ -8,6 +8,7 @@ by the real pod runner against the real API server emulator; one test runs a rea
 
 import asyncio
 import base64
+import socket
 import time
 from pathlib import Path
 
@@ -259,6 +260,17 @@ async def test_a_pod_that_cannot_start_does_not_hold_up_the_others(client, runne
     assert state["waiting"]["reason"] == "RunContainerError" and "nginx" in state["waiting"]["message"]
 
 
+async def test_a_pod_gets_an_address_where_its_ports_are_free(api, client, tmp_path):
+    """Another dev cluster on this machine holds 127.0.0.200:8000: the pod goes to the next address."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.200", 8000))
+        other.listen()
+        async with PodRunner(api.url, NS, tmp_path / "pods", first_ip=200):
+            await client.post(PODS, json=web_pod("web", tmp_path))
+            placed = await containers_ready(client, "web")
+    assert placed["status"]["podIP"] == "127.0.0.201"
+
+
 def test_ready_follows_kubelets_rules():
     gated = {"spec": {"readinessGates": [{"conditionType": GATE}]},
              "status": {"conditions": [{"type": GATE, "status": "True"},
@@ -279,8 +291,8 @@ async def test_a_real_engine_is_held_out_of_traffic_by_its_gate(api, client, run
     once `graft serve` answers /ready, Ready (and routed to) only once the gate is True."""
     await client.post(f"/api/v1/namespaces/{NS}/secrets", json={
         "metadata": {"name": TOKEN_SECRET}, "data": {"token": base64.b64encode(b"t0ken").decode()}})
-    dep = engine_deployment(ClusterOptions(workdir=tmp_path, namespace=NS, pods=1))
-    dep["spec"]["template"]["spec"]["readinessGates"] = [{"conditionType": GATE}]
+    dep = engine_deployment(ClusterOptions(workdir=tmp_path, namespace=NS, pods=1, readiness_gates=(GATE,)))
+    assert "readinessGates" not in engine_deployment(ClusterOptions(workdir=tmp_path))["spec"]["template"]["spec"]
     assert (await client.post(DEPLOYMENTS, json=dep)).status_code == 201
 
     async def one_pod():
