@@ -36,6 +36,7 @@ class FakeEngine:
     applied: dict[str, str] = field(default_factory=dict)      # name -> version
     posts: int = 0
     deletes: int = 0
+    replaced: int = 0                  # one version swapped for another in one call
     port: int = 0
     generation: int = 0                # bumped by a restart (the container ID follows it)
 
@@ -112,8 +113,9 @@ class FakeEngine:
                 return _error(403, "the bundle does not match its pinned digest")
         elif f"{name}@{version}" not in self.available:
             return _error(404, f"no built-in patch {name}@{version}")
-        if name in self.applied and self.applied[name] != version:
-            return _error(409, f"{name}@{self.applied[name]} is applied")
+        if name in self.applied and self.applied[name] != version and not body.get("replace"):
+            return _error(409, f"{name}@{self.applied[name]} is applied; replace it with replace: true")
+        self.replaced += name in self.applied and self.applied[name] != version
         self._advance()
         self.applied[name] = version
         return web.json_response({"revision": self.revision, "applyMs": 0.4, "changed": True})

@@ -1,0 +1,121 @@
+"""The fleet's durable state through the real operator: kopf, the API server emulator, fake engines.
+
+A promotion records the patch in the fleet's PatchFleet; from then on every pod the fleet's selector
+picks is converged to it, however it arrives.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from graft.operator.kube import fleet_path, pods_path
+
+from operator_cluster import create, create_pod, get_rollout, manifest, phase_is, until
+from operator_fakes import FakeEngine
+
+PATCHED = "graft.dev/patched"
+
+
+async def fleets(cluster, namespace):
+    return await cluster.kube.list(fleet_path(namespace))
+
+
+def condition(obj, kind):
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == kind), None)
+
+
+async def test_a_pod_added_after_promotion_is_patched_labelled_and_let_in(cluster, namespace, fleet, operator,
+                                                                           prometheus):
+    engines = await fleet(2)
+    await operator()
+    await create(cluster, namespace, manifest(prometheus))
+    await until(lambda: phase_is(cluster, namespace, "kv-align", "Promoted"), 60, what="Promoted")
+    rollout = await get_rollout(cluster.kube, namespace, "kv-align")
+    assert rollout["status"]["fleet"] == "llm-engine"
+    promoted = condition(rollout, "Promoted")
+    assert promoted["status"] == "True" and promoted["lastTransitionTime"]
+    (pfl,) = await fleets(cluster, namespace)
+    assert [p["name"] + "@" + p["version"] for p in pfl["spec"]["patches"]] == ["kv-align@3.2.1"]
+
+    # scale up: a third pod arrives on base, after every rollout has ended
+    newcomer = await FakeEngine("127.0.0.9", engines[0].token).start()
+    try:
+        await create_pod(cluster.kube, namespace, "engine-new", newcomer)
+        await until(lambda: newcomer.applied == {"kv-align": "3.2.1"}, 15, what="the new pod patched")
+        pod = await until(lambda: _pod_with_condition(cluster, namespace, "engine-new"), 15,
+                          what="graft.dev/patched on the new pod")
+        assert pod["metadata"]["labels"]["graft.dev/track"] == "stable"
+        assert pod["metadata"]["annotations"]["graft.dev/patches"] == "kv-align@3.2.1"
+        status = await until(lambda: _fleet_converged(cluster, namespace, 3), 15, what="fleet converged")
+        assert status["revision"] == "kv-align@3.2.1" and status["pending"] == []
+        # a restart without the patch (as if its annotation had been lost) is converged again
+        newcomer.restart()
+        await until(lambda: newcomer.applied == {"kv-align": "3.2.1"}, 15, what="re-patched after a restart")
+    finally:
+        await newcomer.stop()
+
+
+async def _pod_with_condition(cluster, namespace, name):
+    pod = await cluster.kube.get(pods_path(namespace, name))
+    c = condition(pod, PATCHED)
+    return pod if c and c["status"] == "True" else None
+
+
+async def _fleet_converged(cluster, namespace, pods):
+    items = await fleets(cluster, namespace)
+    status = (items[0].get("status") or {}) if items else {}
+    return status if status.get("pods") == pods and status.get("converged") == pods else None
+
+
+async def test_a_second_rollout_on_the_same_fleet_queues_then_runs(cluster, namespace, fleet, operator, prometheus):
+    await fleet(2, available=("kv-align@3.2.1", "sync-free@3.2.1"))
+    await operator()
+    first = manifest(prometheus, steps=[{"weight": 50, "pause": "4s"}, {"weight": 100}])
+    await create(cluster, namespace, first)
+    await until(lambda: phase_is(cluster, namespace, "kv-align", "Progressing"), 30, what="first running")
+    second = manifest(prometheus, name="sync-free", patch={"name": "sync-free", "version": "3.2.1",
+                                                           "source": {"builtin": {}}})
+    await create(cluster, namespace, second)
+    queued = await until(lambda: _reason_is(cluster, namespace, "sync-free", "Queued"), 20, what="second queued")
+    assert queued["status"]["phase"] == "Pending" and "kv-align" in queued["status"]["message"]
+    await until(lambda: phase_is(cluster, namespace, "kv-align", "Promoted"), 60, what="first promoted")
+    await until(lambda: phase_is(cluster, namespace, "sync-free", "Promoted"), 60, what="second promoted")
+    (pfl,) = await fleets(cluster, namespace)
+    assert sorted(p["name"] for p in pfl["spec"]["patches"]) == ["kv-align", "sync-free"]
+
+
+async def _reason_is(cluster, namespace, name, reason):
+    obj = await get_rollout(cluster.kube, namespace, name)
+    return obj if (obj.get("status") or {}).get("reason") == reason else None
+
+
+async def test_an_upgrade_swaps_versions_in_one_call_and_the_fleet_records_the_new_one(cluster, namespace, fleet,
+                                                                                        operator, prometheus):
+    engines = await fleet(2, available=("kv-align@3.2.1", "kv-align@3.2.2"))
+    await operator()
+    await create(cluster, namespace, manifest(prometheus))
+    await until(lambda: phase_is(cluster, namespace, "kv-align", "Promoted"), 60, what="3.2.1 promoted")
+    upgrade = manifest(prometheus, name="kv-align-3-2-2",
+                       patch={"name": "kv-align", "version": "3.2.2", "source": {"builtin": {}}})
+    await create(cluster, namespace, upgrade)
+    await until(lambda: phase_is(cluster, namespace, "kv-align-3-2-2", "Promoted"), 60, what="3.2.2 promoted")
+    assert [e.applied for e in engines] == [{"kv-align": "3.2.2"}] * 2
+    assert sum(e.replaced for e in engines) == 2 and sum(e.deletes for e in engines) == 0
+    (pfl,) = await fleets(cluster, namespace)
+    assert [p["version"] for p in pfl["spec"]["patches"]] == ["3.2.2"]
+    rollout = await get_rollout(cluster.kube, namespace, "kv-align-3-2-2")
+    assert rollout["status"]["stablePatch"] == "kv-align@3.2.1"
+
+
+async def test_a_revert_rollout_takes_the_patch_out_of_every_pod_and_the_fleet(cluster, namespace, fleet, operator,
+                                                                               prometheus):
+    engines = await fleet(2)
+    await operator()
+    await create(cluster, namespace, manifest(prometheus))
+    await until(lambda: phase_is(cluster, namespace, "kv-align", "Promoted"), 60, what="promoted")
+    await create(cluster, namespace, manifest(prometheus, name="undo-kv-align", action="revert"))
+    await until(lambda: phase_is(cluster, namespace, "undo-kv-align", "Promoted"), 60, what="revert promoted")
+    assert [e.applied for e in engines] == [{}, {}]
+    (pfl,) = await fleets(cluster, namespace)
+    assert pfl["spec"].get("patches") in ([], None)
+    await asyncio.sleep(1.5)             # and the fleet controller leaves them so
+    assert [e.applied for e in engines] == [{}, {}]
