@@ -51,6 +51,15 @@ def engine_metric_names() -> set[str]:
     return names
 
 
+def operator_metric_names() -> set[str]:
+    """Every series name the operator exports about its rollouts, read from its own registry."""
+    from graft.operator.metrics import OperatorMetrics
+
+    suffixes = {"counter": ("_total",), "gauge": ("",)}
+    return {family.name + s for family in OperatorMetrics().registry.collect()
+            for s in suffixes.get(family.type, ("",))}
+
+
 def kube_state_metric_names() -> set[str]:
     """The graft_patchrollout_* series kube-state-metrics makes with our config."""
     config = yaml.safe_load(KSM_CONFIG.read_text(encoding="utf-8"))
@@ -67,7 +76,7 @@ def recorded_names() -> set[str]:
 
 
 def known_metric_names() -> set[str]:
-    return engine_metric_names() | kube_state_metric_names() | recorded_names()
+    return engine_metric_names() | operator_metric_names() | kube_state_metric_names() | recorded_names()
 
 
 def dashboard_exprs() -> dict[str, str]:
