@@ -26,7 +26,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from graft.bench.data import bbh_prompts
-from graft.devcluster.cluster import ROOT, ClusterOptions, DevCluster
+from graft.devcluster.cluster import ROOT, ClusterOptions, DevCluster, object_path
 from graft.rollout.spec import DEFAULT_STEPS, parse_spec
 
 FINAL = {"Promoted", "RolledBack", "Failed"}
@@ -152,6 +152,21 @@ async def run_rollout(cluster: DevCluster, ro: dict[str, Any], traffic, console:
     return timeline, last
 
 
+async def abort_unfinished(cluster: DevCluster, ro: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+    """A rollout still running when its time is up is aborted (graft.dev/abort): the operator runs one
+    rollout per fleet at a time, so the next would wait behind it for ever."""
+    name = ro["metadata"]["name"]
+    await cluster.api.patch(object_path(ro), json={"metadata": {"annotations": {"graft.dev/abort": "true"}}},
+                            headers={"content-type": "application/merge-patch+json"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cur = await cluster.rollout(name)
+        if cur is None or cur.get("status", {}).get("phase") in FINAL:
+            break
+        await asyncio.sleep(1.0)
+    return cur or ro
+
+
 def report(out: Path, runs: list[tuple[Timeline, dict[str, Any], list[dict], Path]], traffic,
            started: float) -> Path:
     lines = ["# Graft demo report", "",
@@ -211,6 +226,10 @@ async def _demo(args: argparse.Namespace) -> int:
                 ro = demo_rollout(ROOT / "examples" / example, cluster.namespace, args.pause, args.interval)
                 console.rule(f"{example}: {ro['spec']['patch']['name']}@{ro['spec']['patch']['version']}")
                 timeline, final = await run_rollout(cluster, ro, traffic, console, timeout=args.timeout)
+                if final.get("status", {}).get("phase") not in FINAL:
+                    console.print(f"[yellow]{ro['metadata']['name']} did not finish within {args.timeout:g} s: "
+                                  f"aborting it[/] ({final.get('status', {}).get('message', '')})")
+                    await abort_unfinished(cluster, ro)
                 events = await cluster.events(ro["metadata"]["name"])
                 png = plot(timeline, out, thresholds_of(ro))
                 runs.append((timeline, final, events, png))
