@@ -25,6 +25,7 @@ import pytest
 
 from graft.devcluster.cluster import APP, TOKEN_SECRET, ClusterOptions, DevCluster, object_path
 from graft.devcluster.traffic import Outcome, Router, Traffic, TrafficStats
+from graft.operator.kube import fleet_path
 from graft.operator.pods import PATCHES_ANNOTATION, TRACK_LABEL, admin_address, is_ready
 from graft.rollout.queries import CANARY, Context, count_query
 from graft.rollout.revision import BASE, patches_of
@@ -231,12 +232,25 @@ class Fleet:
             self.local.start_operator()
 
     async def reset(self, timeout: float = 180) -> None:
-        """Delete the scenario's rollouts and bring every engine back to `base`, all pods ready."""
+        """Delete the scenario's rollouts and the PatchFleet a promotion wrote (its controller would
+        patch the engines again), and bring every engine back to `base`, all pods ready."""
         await self.restore_processes()
         for name in list(self.rollouts):
             await self.delete_rollout(name)
             self.rollouts.remove(name)
+        await self.delete_fleets(timeout)
         await self.wait_for(self._back_to_base, timeout, f"{self.expected_pods} ready pods, all at {BASE}")
+
+    async def delete_fleets(self, timeout: float) -> None:
+        path = fleet_path(self.namespace)
+        reply = await self.api.get(path)
+        for obj in reply.json().get("items", []) if reply.status_code == 200 else []:
+            await self.api.delete(f"{path}/{obj['metadata']['name']}")
+
+        async def none_left() -> bool:
+            r = await self.api.get(path)
+            return r.status_code != 200 or not r.json().get("items")
+        await self.wait_for(none_left, timeout, "every PatchFleet to be deleted")
 
     async def _back_to_base(self) -> bool:
         pods = await self.ready_pods()
