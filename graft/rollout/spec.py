@@ -536,6 +536,9 @@ def _steps(r: _Reader, value: Any, path: str) -> tuple[Step, ...]:
     if not isinstance(value, list) or not value:
         r.fail(path, "must be a non-empty list")
         return ()
+    if len(value) > MAX_STEPS:
+        r.fail(path, f"must have at most {MAX_STEPS} items")
+        return ()
     steps: list[Step] = []
     for i, item in enumerate(value):
         where = f"{path}[{i}]"

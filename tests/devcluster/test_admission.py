@@ -106,6 +106,10 @@ def causes(refused: dict) -> set[tuple[str, str]]:
 SOURCE_MAP = {"configMap": {"name": "bundle", "key": "patch.py"}, "digest": DIGEST}
 PATCH = {"name": "kv-align", "version": "3.2.1"}
 RULE_CASES = [
+    ("label keys are an optional DNS-subdomain prefix and '/', then at most 63 letters, digits, '-', '_' or "
+     "'.', starting and ending alphanumeric", "spec.selector.matchLabels",
+     {"selector": {"matchLabels": {"app.kubernetes.io/name": "llm"}}},
+     {"selector": {"matchLabels": {"zzz!": "q"}}}),
     ("must select something: an empty selector would match every pod in the namespace", "spec.selector",
      {"selector": {"matchExpressions": [{"key": "app", "operator": "Exists"}]}},
      {"selector": {"matchLabels": {}}}),

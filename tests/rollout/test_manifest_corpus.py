@@ -1,0 +1,191 @@
+"""One verdict for every manifest: the CRD (through the API server emulator, which applies the schema
+and evaluates CEL rules as kube-apiserver does) and parse_spec (what the operator checks, against an
+older CRD or an API server that skips rules) accept and refuse the same specs, naming the same field.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from graft.devcluster.apiserver import ApiServer
+from graft.rollout.spec import SpecError, parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLLOUTS = "/apis/graft.dev/v1alpha1/namespaces/default/patchrollouts"
+DIGEST = "sha256:" + "ab" * 32
+VALID = {
+    "selector": {"matchLabels": {"app": "llm-engine"}},
+    "patch": {"name": "kv-align", "version": "3.2.1", "source": {"builtin": {}}},
+    "steps": [{"weight": 10, "pause": "1m"}, {"weight": 100}],
+    "analysis": {"interval": "30s",
+                 "breakers": [{"name": "error-rate", "max": 0.005, "window": "60s", "consecutive": 3},
+                              {"name": "tpot-p99", "maxRatio": 1.3}],
+                 "gates": [{"name": "error-rate-delta", "max": 0.001}]},
+}
+
+
+def setting(path: str, value):
+    """A change to VALID: `path` dotted (list indexes as numbers); value DELETE removes the field."""
+    def change(spec):
+        keys = [int(k) if k.isdigit() else k for k in path.split(".")]
+        node = spec
+        for k in keys[:-1]:
+            node = node[k]
+        if value is DELETE:
+            del node[keys[-1]]
+        else:
+            node[keys[-1]] = value
+        return spec
+    return change
+
+
+DELETE = object()
+# (id, change, the field the refusal must name)
+INVALID = [
+    ("no-selector", setting("selector", DELETE), "spec.selector"),
+    ("empty-selector", setting("selector", {"matchLabels": {}}), "spec.selector"),
+    ("selector-key-injection", setting("selector.matchLabels", {"zzz!": "q"}), "spec.selector.matchLabels"),
+    ("selector-value-comma", setting("selector.matchLabels", {"app": "a,b"}), "spec.selector.matchLabels"),
+    ("selector-value-64", setting("selector.matchLabels", {"app": "a" * 64}), "spec.selector.matchLabels"),
+    ("selector-bad-operator", setting("selector", {"matchExpressions": [{"key": "app", "operator": "Near"}]}),
+     "spec.selector.matchExpressions[0].operator"),
+    ("selector-expression-no-key", setting("selector", {"matchExpressions": [{"operator": "Exists"}]}),
+     "spec.selector.matchExpressions[0].key"),
+    ("no-patch", setting("patch", DELETE), "spec.patch"),
+    ("patch-no-name", setting("patch.name", DELETE), "spec.patch.name"),
+    ("patch-no-version", setting("patch.version", DELETE), "spec.patch.version"),
+    ("patch-name-upper", setting("patch.name", "KV"), "spec.patch.name"),
+    ("patch-name-newline", setting("patch.name", "nl\n"), "spec.patch.name"),
+    ("patch-name-dash-end", setting("patch.name", "kv-"), "spec.patch.name"),
+    ("patch-name-64", setting("patch.name", "a" * 64), "spec.patch.name"),
+    ("patch-version-space", setting("patch.version", "3 2"), "spec.patch.version"),
+    ("patch-version-newline", setting("patch.version", "3.2.1\n"), "spec.patch.version"),
+    ("patch-version-65", setting("patch.version", "1" * 65), "spec.patch.version"),
+    ("source-both", setting("patch.source", {"builtin": {}, "configMap": {"name": "b", "key": "p.py"},
+                                            "digest": DIGEST}), "spec.patch.source"),
+    ("source-configmap-no-digest", setting("patch.source", {"configMap": {"name": "b", "key": "p.py"}}),
+     "spec.patch.source"),
+    ("source-bad-digest", setting("patch.source", {"configMap": {"name": "b", "key": "p.py"},
+                                                  "digest": "sha256:XYZ"}), "spec.patch.source.digest"),
+    ("source-digest-newline", setting("patch.source", {"configMap": {"name": "b", "key": "p.py"},
+                                                      "digest": DIGEST + "\n"}), "spec.patch.source.digest"),
+    ("source-configmap-no-key", setting("patch.source", {"configMap": {"name": "b"}, "digest": DIGEST}),
+     "spec.patch.source.configMap.key"),
+    ("source-configmap-bad-name", setting("patch.source", {"configMap": {"name": "B_b", "key": "k"},
+                                                          "digest": DIGEST}), "spec.patch.source.configMap.name"),
+    ("routing-both", setting("trafficRouting", {"podRatio": {}, "gatewayAPI": {
+        "httpRoute": "r", "stableService": "s", "canaryService": "c"}}), "spec.trafficRouting"),
+    ("routing-gateway-missing-route", setting("trafficRouting", {"gatewayAPI": {
+        "stableService": "s", "canaryService": "c"}}), "spec.trafficRouting.gatewayAPI.httpRoute"),
+    ("routing-same-services", setting("trafficRouting", {"gatewayAPI": {
+        "httpRoute": "r", "stableService": "s", "canaryService": "s"}}), "spec.trafficRouting.gatewayAPI"),
+    ("steps-empty", setting("steps", []), "spec.steps"),
+    ("steps-21", setting("steps", [{"weight": w} for w in range(80, 100)] + [{"weight": 100}]), "spec.steps"),
+    ("steps-last-not-100", setting("steps", [{"weight": 10}, {"weight": 50}]), "spec.steps"),
+    ("steps-decreasing", setting("steps", [{"weight": 50}, {"weight": 10}, {"weight": 100}]), "spec.steps"),
+    ("steps-repeated", setting("steps", [{"weight": 50}, {"weight": 50}, {"weight": 100}]), "spec.steps"),
+    ("step-weight-0", setting("steps", [{"weight": 0}, {"weight": 100}]), "spec.steps[0].weight"),
+    ("step-weight-101", setting("steps", [{"weight": 10}, {"weight": 101}]), "spec.steps[1].weight"),
+    ("step-weight-float", setting("steps", [{"weight": 10.5}, {"weight": 100}]), "spec.steps[0].weight"),
+    ("step-weight-string", setting("steps", [{"weight": "10"}, {"weight": 100}]), "spec.steps[0].weight"),
+    ("step-no-weight", setting("steps", [{"pause": "1m"}, {"weight": 100}]), "spec.steps[0].weight"),
+    ("step-pause-words", setting("steps.0.pause", "one minute"), "spec.steps[0].pause"),
+    ("step-pause-negative", setting("steps.0.pause", "-1m"), "spec.steps[0].pause"),
+    ("step-pause-newline", setting("steps.0.pause", "1m\n"), "spec.steps[0].pause"),
+    ("step-unknown-field", setting("steps.0.colour", "red"), "spec.steps[0].colour"),
+    ("interval-words", setting("analysis.interval", "often"), "spec.analysis.interval"),
+    ("interval-days", setting("analysis.interval", "1d"), "spec.analysis.interval"),
+    ("no-data-policy", setting("analysis.noData", "ignore"), "spec.analysis.noData"),
+    ("confidence-high", setting("analysis.confidence", 1.0), "spec.analysis.confidence"),
+    ("confidence-low", setting("analysis.confidence", 0.2), "spec.analysis.confidence"),
+    ("confidence-string", setting("analysis.confidence", "0.95"), "spec.analysis.confidence"),
+    ("inconclusive-limit-negative", setting("analysis.inconclusiveLimit", -1), "spec.analysis.inconclusiveLimit"),
+    ("error-limit-float", setting("analysis.errorLimit", 1.5), "spec.analysis.errorLimit"),
+    ("prometheus-not-url", setting("analysis.prometheus", {"address": "prometheus:9090"}),
+     "spec.analysis.prometheus.address"),
+    ("prometheus-space", setting("analysis.prometheus", {"address": "http://a b"}),
+     "spec.analysis.prometheus.address"),
+    ("check-name-upper", setting("analysis.breakers.0.name", "Error-Rate"), "spec.analysis.breakers[0].name"),
+    ("check-custom-no-query", setting("analysis.breakers.1", {"name": "mine", "max": 1}), "spec.analysis.breakers[1]"),
+    ("check-no-threshold", setting("analysis.breakers.1", {"name": "tpot-p99"}), "spec.analysis.breakers[1]"),
+    ("check-min-over-max", setting("analysis.breakers.1", {"name": "x", "query": "up", "min": 2, "max": 1}),
+     "spec.analysis.breakers[1]"),
+    ("check-metric-and-query", setting("analysis.gates.0", {"name": "x", "metric": "cpu", "query": "up", "max": 1}),
+     "spec.analysis.gates[0]"),
+    ("check-unknown-metric", setting("analysis.gates.0", {"name": "x", "metric": "vibes", "max": 1}),
+     "spec.analysis.gates[0].metric"),
+    ("check-consecutive-0", setting("analysis.breakers.0.consecutive", 0), "spec.analysis.breakers[0].consecutive"),
+    ("check-window-words", setting("analysis.breakers.0.window", "a while"), "spec.analysis.breakers[0].window"),
+    ("check-ratio-zero", setting("analysis.breakers.1.maxRatio", 0), "spec.analysis.breakers[1].maxRatio"),
+    ("check-ratio-string", setting("analysis.breakers.1.maxRatio", "1.3"), "spec.analysis.breakers[1].maxRatio"),
+    ("check-query-8k", setting("analysis.breakers.1", {"name": "x", "query": "u" * 8193, "max": 1}),
+     "spec.analysis.breakers[1].query"),
+    ("checks-duplicate", setting("analysis.breakers.1", {"name": "error-rate", "max": 0.01}),
+     "spec.analysis.breakers[1]"),
+    ("checks-21", setting("analysis.breakers", [{"name": f"c{i}", "query": "up", "max": 1} for i in range(21)]),
+     "spec.analysis.breakers"),
+    ("check-unknown-field", setting("analysis.breakers.0.colour", "red"), "spec.analysis.breakers[0].colour"),
+    ("template-bad-name", setting("analysis.templates", [{"name": "Not_A_Name"}]), "spec.analysis.templates[0].name"),
+    ("action-unknown", setting("action", "rewind"), "spec.action"),
+    ("deadline-words", setting("progressDeadline", "soon"), "spec.progressDeadline"),
+    ("paused-string", setting("paused", "yes"), "spec.paused"),
+    ("unknown-top-field", setting("replicas", 3), "spec.replicas"),
+]
+# valid edge cases both must accept
+VALID_EDGES = [
+    ("defaults-only", lambda s: {"selector": s["selector"], "patch": s["patch"]}),
+    ("expressions-selector", setting("selector", {"matchExpressions": [{"key": "app", "operator": "In",
+                                                                        "values": ["a", "b"]}]})),
+    ("prefixed-label-key", setting("selector.matchLabels", {"app.kubernetes.io/name": "llm"})),
+    ("one-step", setting("steps", [{"weight": 100}])),
+    ("twenty-steps", setting("steps", [{"weight": w} for w in range(81, 100)] + [{"weight": 100}])),
+    ("revert", setting("action", "revert")),
+    ("bundle-source", setting("patch.source", {"configMap": {"name": "b", "key": "p.py"}, "digest": DIGEST})),
+    ("gateway", setting("trafficRouting", {"gatewayAPI": {"httpRoute": "r", "stableService": "s",
+                                                          "canaryService": "c"}})),
+    ("breaker-and-gate-share-a-name", setting("analysis.gates", [{"name": "tpot-p99", "maxRatio": 1.2}])),
+]
+
+
+@pytest.fixture
+async def api():
+    async with ApiServer(crd_paths=[ROOT / "crds"]) as server:
+        yield server
+
+
+async def admit(api, spec) -> tuple[int, dict]:
+    body = {"apiVersion": "graft.dev/v1alpha1", "kind": "PatchRollout", "metadata": {"generateName": "c-"},
+            "spec": spec}
+    async with aiohttp.ClientSession(api.url) as http:
+        async with http.post(ROLLOUTS + "?fieldValidation=Strict", json=body) as reply:
+            return reply.status, json.loads(await reply.text())
+
+
+def test_the_corpus_is_large_enough():
+    assert len(INVALID) >= 60 and len({c[0] for c in INVALID}) == len(INVALID)
+
+
+@pytest.mark.parametrize("case, change, field", INVALID, ids=[c[0] for c in INVALID])
+async def test_both_refuse_naming_the_field(api, case, change, field):
+    spec = change(copy.deepcopy(VALID))
+    status, answer = await admit(api, spec)
+    assert status in (400, 422), (status, answer)
+    fields = [c.get("field", "") for c in (answer.get("details") or {}).get("causes") or []]
+    text = answer.get("message", "")
+    assert any(f.startswith(field) or field.startswith(f) for f in fields if f) or field in text, (field, answer)
+    with pytest.raises(SpecError) as refused:
+        parse_spec(spec)
+    assert any(p == field or p.startswith(field + ".") or p.startswith(field + "[") or field.startswith(p)
+               for p in refused.value.paths), (field, refused.value.paths)
+
+
+@pytest.mark.parametrize("case, change", VALID_EDGES, ids=[c[0] for c in VALID_EDGES])
+async def test_both_accept(api, case, change):
+    spec = change(copy.deepcopy(VALID))
+    status, answer = await admit(api, spec)
+    assert status == 201, answer.get("message")
+    parse_spec(answer["spec"])            # as stored, defaults filled in by the API server
