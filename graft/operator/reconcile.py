@@ -19,7 +19,8 @@ from graft.operator.kube import fleet_path, rollout_path
 from graft.operator.routers import RouteError, Router, router_for
 from graft.operator.runtime import Runtime, TokenError
 from graft.rollout.analysis import plan_run
-from graft.operator.fleet import active_rollout, find_fleet, find_or_create_fleet, record_promotion
+from graft.operator.fleet import (active_rollout, create_for_gated_pods, find_fleet, find_or_create_fleet,
+                                  record_promotion)
 from graft.rollout.decision import (Action, ClearPromote, Event, LabelPod, PatchPod, PauseRollout,
                                     RecordPromotion, SetWeight, UnpatchPod)
 from graft.rollout.machine import QUEUED, analysis_due, decide, known_revision
@@ -35,6 +36,7 @@ PROMOTE_ANNOTATION = "graft.dev/promote"
 ABORT_ANNOTATION = "graft.dev/abort"
 MAX_ROUNDS = 5
 ACTIVE = (PROGRESSING, PAUSED, ROLLING_BACK)
+NO_PODS = "NoPods"       # graft.rollout.machine's reason while no pod the selector picks is Ready
 
 
 @dataclass(slots=True)
@@ -117,16 +119,32 @@ class _Tick:
         for _ in range(MAX_ROUNDS):
             self.status = status
             d = decide(self.spec, status, await self.observe(status, measurements), self.now)
+            starting = status.phase == PENDING and d.status.phase != PENDING
             status, measurements = d.status, None
             events += d.events
             if not d.actions:
                 break
+            if starting:
+                await self.claim_fleet(status)
             self.status = status
             await self.execute(d.actions)
         if status.phase != PENDING and not status.fleet:
             status.fleet = await find_or_create_fleet(self.rt.kube, self.namespace, self.spec.selector,
                                                       status.stable_revision)
+        elif status.phase == PENDING and status.reason == NO_PODS:
+            # pods held by the readiness gate need a fleet before this rollout can see them Ready
+            await create_for_gated_pods(self.rt, self.namespace, self.spec.selector, list(self.pods.values()))
         return status, events
+
+    async def claim_fleet(self, status: RolloutStatus) -> None:
+        """Before a starting rollout touches a pod: record its fleet and store the status, so that the
+        fleet controller, seeing a pod run this rollout's patch, also sees this rollout active on the
+        fleet (and leaves that patch and its Ready pods to it) rather than reverting it as drift."""
+        if not status.fleet:
+            status.fleet = await find_or_create_fleet(self.rt.kube, self.namespace, self.spec.selector,
+                                                      status.stable_revision)
+        await self.rt.kube.merge_patch(rollout_path(self.namespace, self.name) + "/status",
+                                       {"status": status.to_dict()})
 
     async def wait_for_turn(self) -> None:
         """One rollout per fleet at a time: a second one waits, Pending (Queued), for the first to end."""
@@ -177,8 +195,9 @@ class _Tick:
             return
         try:
             pod.revision = await admin.revision(*self.address(pod.name))
+            self.rt.unauthorized.pop(f"{self.namespace}/{pod.name}", None)
         except (AdminError, ValueError) as e:
-            pod.error = _pod_error(e)
+            pod.error = self.pod_error(pod.name, e)
 
     def address(self, pod: str) -> tuple[str, int]:
         address = podsmod.admin_address(self.pods[pod], self.rt.settings.admin_port)
@@ -251,20 +270,22 @@ class _Tick:
             admin = await self.rt.admin()
             self.answered[pod] = await admin.apply(*self.address(pod), p.name, p.version, source, p.config,
                                                    **({"replace": True} if replace else {}))
+            self.rt.unauthorized.pop(f"{self.namespace}/{pod}", None)
         except TokenError as e:
             self.problem = self.problem or e.problem
         except (AdminError, ValueError) as e:
-            self.errors[pod] = _pod_error(e)
+            self.errors[pod] = self.pod_error(pod, e)
 
     async def remove(self, pod: str) -> None:
         name = (self.status.patch or self.spec.patch.ref).partition("@")[0]
         try:
             admin = await self.rt.admin()
             self.answered[pod] = await admin.revert(*self.address(pod), name)
+            self.rt.unauthorized.pop(f"{self.namespace}/{pod}", None)
         except TokenError as e:
             self.problem = self.problem or e.problem
         except (AdminError, ValueError) as e:
-            self.errors[pod] = _pod_error(e)
+            self.errors[pod] = self.pod_error(pod, e)
 
     async def stable_patch_spec(self) -> PatchSpec:
         """The version an upgrade goes back to: as the fleet records it, else a built-in of that version."""
@@ -279,6 +300,25 @@ class _Tick:
                 if p.ref == self.status.stable_patch:
                     return p
         return PatchSpec(name, version, PatchSource(builtin=True))
+
+
+    def pod_error(self, pod: str, e: Exception) -> PodError:
+        """What an admin call's failure means for the rollout. A refused token (401/403) is final only
+        after UNAUTHORIZED_TICKS ticks in a row: a rotated Secret reaches the operator (which re-reads
+        it at once) and the engines (which re-read their mounted file) at different moments."""
+        key = f"{self.namespace}/{pod}"
+        if isinstance(e, AdminError) and e.kind == UNAUTHORIZED:
+            self.rt.invalidate_token()
+            seen = self.rt.unauthorized[key] = self.rt.unauthorized.get(key, 0) + 1
+            if seen < UNAUTHORIZED_TICKS:
+                return PodError(UNREACHABLE, f"{e.message} (the admin token may be rotating; "
+                                             f"try {seen} of {UNAUTHORIZED_TICKS})")
+        else:
+            self.rt.unauthorized.pop(key, None)
+        return _pod_error(e)
+
+
+UNAUTHORIZED, UNAUTHORIZED_TICKS = "unauthorized", 3
 
 
 def _pod_error(e: Exception) -> PodError:

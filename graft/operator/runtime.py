@@ -38,6 +38,7 @@ class Runtime:
                                   retries=settings.admin_retries, ca_file=settings.admin_ca_file,
                                   tls_server_name=settings.admin_tls_server_name)
         self._token_read_at = float("-inf")
+        self.unauthorized: dict[str, int] = {}     # namespace/pod -> ticks in a row its engine refused the token
         self._providers: dict[tuple, PrometheusProvider] = {}
         self.metrics = OperatorMetrics()
 
@@ -73,6 +74,10 @@ class Runtime:
                 raise TokenError(Problem("AdminTokenMissing", f"{where} has no key {s.admin_token_key!r}"))
             self._admin.token, self._token_read_at = token.strip(), time.monotonic()
         return self._admin
+
+    def invalidate_token(self) -> None:
+        """Read the token Secret again before the next call (an engine refused the one we hold)."""
+        self._token_read_at = float("-inf")
 
     async def provider(self, source: PrometheusSource, namespace: str) -> PrometheusProvider:
         """The provider for a rollout's Prometheus: its address (or the operator's default), with the

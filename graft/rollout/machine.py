@@ -158,6 +158,11 @@ class _Machine:
             self.pending_deadline(message)
             return
         known = [p for p in ready if p.revision is not None]
+        refused = next((p for p in ready if p.error is not None and p.error.permanent), None)
+        if refused is not None and not known:
+            # every engine we could ask refused us (a wrong token): nothing can start
+            self.finish(FAILED, PERMANENT_ERRORS[refused.error.kind], f"pod {refused.name}: {refused.error.message}")
+            return
         if not known:
             errors = "; ".join(f"{p.name}: {p.error.message}" for p in ready if p.error) or "no answer"
             message = f"cannot read the revision of any engine ({errors})"
