@@ -53,7 +53,20 @@ class Runtime:
             info = kopf.login_via_client(logger=logger, **kwargs)
         if info is not None:
             await self.connect(info)
+            await self._check_token(logger)
         return info
+
+    async def _check_token(self, logger: Any) -> None:
+        """Say at once when the engines' admin token cannot be read, rather than at the first rollout."""
+        if not self.settings.admin_token_secret or logger is None:
+            return
+        try:
+            await self.admin()
+        except TokenError as e:
+            logger.error(f"admin token: {e.problem.message}; every rollout will report {e.problem.reason} until "
+                         "it exists (the Secret lives in the operator's own namespace: see the chart's README)")
+        except Exception as e:   # noqa: BLE001 - a start-up diagnosis must never stop the login
+            logger.warning(f"admin token: could not check Secret {self.settings.admin_token_secret}: {e}")
 
     async def connect(self, info: kopf.ConnectionInfo) -> None:
         old, self.kube = self.kube, Kube.from_connection(info)
