@@ -20,7 +20,7 @@ from graft.operator.fleet import reconcile_fleet
 from graft.operator.kube import fleet_path, rollout_path
 from graft.operator.reconcile import ACTIVE, reconcile
 from graft.operator.routers import RouteError, router_for
-from graft.operator.runtime import Runtime, TokenError
+from graft.operator.runtime import Runtime
 from graft.rollout.decision import Event
 from graft.rollout.spec import SpecError, parse_spec
 from graft.rollout.status import FINAL, RolloutStatus
@@ -44,18 +44,6 @@ def build_registry(runtime: Runtime) -> kopf.OperatorRegistry:
         settings.posting.level = logging.WARNING     # events are posted on purpose, not from log lines
         settings.watching.connect_timeout = 10
         settings.watching.server_timeout = 300
-
-    @kopf.on.startup(registry=registry, id="check-admin-token")
-    async def check_admin_token(logger: logging.Logger, **_: Any) -> None:
-        """Say at once when the engines' admin token cannot be read, rather than at the first rollout."""
-        if runtime.kube is None or not runtime.settings.admin_token_secret:
-            return
-        try:
-            await runtime.admin()
-            logger.info(f"admin token: read from Secret {runtime.settings.admin_token_secret}")
-        except TokenError as e:
-            logger.error(f"admin token: {e.problem.message}; every rollout will report {e.problem.reason} "
-                         "until it exists (the Secret lives in the operator's namespace, see the chart's README)")
 
     @kopf.on.login(registry=registry, id="login")
     async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
