@@ -25,7 +25,7 @@ from graft.rollout.fleet import (PATCHED_CONDITION, ApplyPatch, FleetPod, MarkPo
                                  adopt, converge, desired_revision, with_promoted, without)
 from graft.rollout.revision import patches_of
 from graft.rollout.spec import (FleetSpec, LabelSelector, PatchSpec, SpecError, parse_fleet_spec,
-                                patch_to_dict)
+                                parse_selector, patch_to_dict)
 from graft.rollout.status import FINAL, PENDING, to_time
 
 ACTIVE_PHASES = ("Progressing", "Paused", "RollingBack")
@@ -51,13 +51,32 @@ def _patched(pod: dict[str, Any]) -> bool | None:
     return None
 
 
-async def active_rollout(kube: Kube, namespace: str, fleet: str) -> dict[str, Any] | None:
-    """The rollout acting on `fleet` now (oldest first), or None."""
+async def active_rollout(kube: Kube, namespace: str, fleet: str,
+                         selector: LabelSelector | None = None) -> dict[str, Any] | None:
+    """The rollout acting on `fleet` now (oldest first), or None.
+
+    With `selector` (the fleet's), a rollout still Pending on that selector counts too: it patches
+    its first canaries in the very tick it starts, before its status names the fleet, and those
+    canaries must not be taken for drift. A Queued one does not: it waits for the active one.
+    """
     rollouts = await kube.list(rollouts_path(namespace))
-    active = [r for r in rollouts if (r.get("status") or {}).get("fleet") == fleet
-              and (r.get("status") or {}).get("phase") in ACTIVE_PHASES]
-    active.sort(key=lambda r: (r["metadata"].get("creationTimestamp") or "", r["metadata"]["name"]))
-    return active[0] if active else None
+    order = lambda r: (r["metadata"].get("creationTimestamp") or "", r["metadata"]["name"])   # noqa: E731
+    active = sorted((r for r in rollouts if (r.get("status") or {}).get("fleet") == fleet
+                     and (r.get("status") or {}).get("phase") in ACTIVE_PHASES), key=order)
+    if active or selector is None:
+        return active[0] if active else None
+    query = selector.to_query()
+    starting = []
+    for r in rollouts:
+        status = r.get("status") or {}
+        if status.get("phase", PENDING) != PENDING or status.get("reason") == "Queued":
+            continue
+        try:
+            if parse_selector((r.get("spec") or {}).get("selector")).to_query() == query:
+                starting.append(r)
+        except SpecError:
+            continue
+    return min(starting, key=order) if starting else None
 
 
 async def reconcile_fleet(rt: Runtime, body: dict[str, Any]) -> FleetResult:
@@ -70,8 +89,6 @@ async def reconcile_fleet(rt: Runtime, body: dict[str, Any]) -> FleetResult:
         return await _write(rt, body, {**old_status, "conditions": _conditions(
             old_status, False, "InvalidSpec", f"invalid spec: {e}", meta)},
             [("InvalidSpec", f"invalid spec: {e}", "Warning")])
-    rollout = await active_rollout(rt.kube, namespace, name)
-    rollout_patch = ((rollout.get("spec") or {}).get("patch") or {}).get("name") if rollout else None
     raw = await podsmod.list_pods(rt.kube, namespace, spec.selector.to_query())
     try:
         admin = await rt.admin()
@@ -79,6 +96,12 @@ async def reconcile_fleet(rt: Runtime, body: dict[str, Any]) -> FleetResult:
         return await _write(rt, body, {**old_status, "conditions": _conditions(
             old_status, False, e.problem.reason, e.problem.message, meta)}, [])
     fleet_pods = await asyncio.gather(*(_observe(rt, admin, p) for p in raw))
+    # The rollout and the fleet's patches are read only now, after the engines: a rollout stores its
+    # status (active, on this fleet) before it touches a pod, and records a promotion here before it
+    # stores Promoted, so an engine seen running a rollout's patch is never taken for drift and reverted.
+    rollout = await active_rollout(rt.kube, namespace, name, spec.selector)
+    rollout_patch = ((rollout.get("spec") or {}).get("patch") or {}).get("name") if rollout else None
+    spec = await _reread(rt, namespace, name, spec)
     plan = converge(spec.patches, list(fleet_pods), rollout_patch=rollout_patch)
     by_name = {p["metadata"]["name"]: p for p in raw}
     errors: dict[str, str] = {}
@@ -101,6 +124,15 @@ async def reconcile_fleet(rt: Runtime, body: dict[str, Any]) -> FleetResult:
     if (old_status.get("converged"), old_status.get("pods"), old_status.get("revision")) != (converged, len(raw), revision):
         events.append(("FleetConverged" if ok else "FleetConverging", message, "Normal"))
     return await _write(rt, body, status, events)
+
+
+async def _reread(rt: Runtime, namespace: str, name: str, spec: FleetSpec) -> FleetSpec:
+    """The fleet's spec as stored now (`spec`, read before, if it is gone or no longer valid)."""
+    body = await rt.kube.get(fleet_path(namespace, name))
+    try:
+        return parse_fleet_spec((body or {}).get("spec") or {}) if body is not None else spec
+    except SpecError:
+        return spec
 
 
 async def _observe(rt: Runtime, admin, pod: dict[str, Any]) -> FleetPod:
@@ -223,6 +255,37 @@ def _selector_dict(selector: LabelSelector) -> dict[str, Any]:
     return out
 
 
+def _gated(pod: dict[str, Any]) -> bool:
+    """Whether the pod declares the readiness gate the fleet controller opens."""
+    gates = (pod.get("spec") or {}).get("readinessGates") or []
+    return any(g.get("conditionType") == PATCHED_CONDITION for g in gates)
+
+
+async def create_for_gated_pods(rt: Runtime, namespace: str, selector: LabelSelector,
+                                pods: list[dict[str, Any]]) -> str | None:
+    """The fleet of pods that wait, behind the readiness gate graft.dev/patched, for a fleet that
+    does not exist yet; created, adopting what their engines run, when they all run the same.
+
+    Without it a rollout over such pods would wait for Ready pods forever: only the fleet
+    controller opens the gate, and a rollout creates its fleet only once it has started.
+    """
+    running = [p for p in pods if _gated(p) and _containers_running(p)]
+    if not running or any(podsmod.is_ready(p) for p in pods):
+        return None
+    found = await find_fleet(rt.kube, namespace, selector)
+    if found is not None:
+        return found
+    addresses = [podsmod.admin_address(p, rt.settings.admin_port) for p in running]
+    try:
+        admin = await rt.admin()
+        revisions = {await admin.revision(*address) for address in addresses if address is not None}
+    except (TokenError, AdminError):
+        return None          # an engine not answering yet: the next tick asks again
+    if len(revisions) != 1:
+        return None          # adopting one of several revisions would revert the others
+    return await find_or_create_fleet(rt.kube, namespace, selector, revisions.pop())
+
+
 async def record_promotion(kube: Kube, namespace: str, fleet: str, patch: PatchSpec, *, revert: bool = False) -> None:
     """Write a promoted patch into the fleet (replacing another version of it), or, for a promoted
     revert, take it out."""
@@ -234,5 +297,5 @@ async def record_promotion(kube: Kube, namespace: str, fleet: str, patch: PatchS
     await kube.merge_patch(fleet_path(namespace, fleet), {"spec": {"patches": [patch_to_dict(p) for p in patches]}})
 
 
-__all__ = ["reconcile_fleet", "find_or_create_fleet", "record_promotion", "active_rollout", "FleetSpec",
-           "PENDING", "FINAL"]
+__all__ = ["reconcile_fleet", "find_or_create_fleet", "create_for_gated_pods", "record_promotion", "active_rollout",
+           "FleetSpec", "PENDING", "FINAL"]

@@ -815,3 +815,12 @@ def patch_to_dict(patch: PatchSpec) -> dict[str, Any]:
     if patch.config:
         out["config"] = copy.deepcopy(patch.config)
     return out
+
+
+def parse_selector(value: Any, path: str = "spec.selector") -> LabelSelector:
+    """A label selector alone (a rollout's or a fleet's); raises SpecError naming every bad field."""
+    r = _Reader()
+    selector = _selector(r, value, path)
+    if r.errors:
+        raise SpecError(r.errors)
+    return selector
