@@ -51,6 +51,7 @@ class ClusterOptions:
     api_port: int = 0
     api_history: int = 20   # requests KMock keeps for assertions; each request scans them all
     readiness_gates: tuple[str, ...] = ()   # condition types the engine pods wait for (e.g. graft.dev/patched)
+    first_pod_ip: int = 2   # pods get 127.0.0.N from here up: another range keeps clear of a second dev cluster
 
 
 def engine_deployment(opts: ClusterOptions) -> dict[str, Any]:
@@ -117,7 +118,8 @@ class DevCluster:
             self.prometheus = PrometheusServer([], scrape_interval=self.opts.scrape_interval)
             self.prometheus.start()
             self._stack.callback(self.prometheus.close)
-            self.pods = PodRunner(self.api_server.url, self.namespace, self.workdir / "pods")
+            self.pods = PodRunner(self.api_server.url, self.namespace, self.workdir / "pods",
+                                  first_ip=self.opts.first_pod_ip)
             await self._stack.enter_async_context(self.pods)
             self._sync_task = asyncio.create_task(self._sync_targets())
             self._stack.push_async_callback(self._cancel_sync)
