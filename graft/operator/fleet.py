@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ from graft.rollout.fleet import (PATCHED_CONDITION, ApplyPatch, FleetPod, MarkPo
 from graft.rollout.revision import patches_of
 from graft.rollout.spec import (FleetSpec, LabelSelector, PatchSpec, SpecError, parse_fleet_spec,
                                 parse_selector, patch_to_dict)
-from graft.rollout.status import FINAL, PENDING, to_time
+from graft.rollout.status import FINAL, PENDING, from_time, to_time
 
 ACTIVE_PHASES = ("Progressing", "Paused", "RollingBack")
 
@@ -49,6 +50,36 @@ def _patched(pod: dict[str, Any]) -> bool | None:
         if c.get("type") == PATCHED_CONDITION:
             return c.get("status") == "True"
     return None
+
+
+def _gate_outlived(pod: dict[str, Any]) -> bool:
+    """The gate graft.dev/patched is open, but for an earlier container: one running now started
+    at or after the gate opened (a restart; timestamps of whole seconds, so the same second counts).
+    What a restarted engine runs is what its annotation said at the restart, checked by no one yet."""
+    gate = next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == PATCHED_CONDITION),
+                None)
+    opened = from_time(gate.get("lastTransitionTime")) if gate and gate.get("status") == "True" else None
+    if opened is None:
+        return False
+    started = [from_time(((cs.get("state") or {}).get("running") or {}).get("startedAt"))
+               for cs in (pod.get("status") or {}).get("containerStatuses") or []]
+    return any(t is not None and t >= math.floor(opened) for t in started)
+
+
+def _renewed_gates(raw: list[dict[str, Any]], pods: list[FleetPod], converged: list[str]) -> list[SetPatched]:
+    """Gates that vouch for a container that is gone: closed while the new one is not running yet
+    (so it is not Ready, and takes no traffic, before its engine has been checked), renewed once it
+    runs the fleet's revision."""
+    outlived = {p["metadata"]["name"] for p in raw if _gate_outlived(p)}
+    out = []
+    for pod in pods:
+        if pod.name not in outlived:
+            continue
+        if not pod.running:
+            out.append(SetPatched(pod.name, False, "its container restarted: checked again once it runs"))
+        elif pod.name in converged:
+            out.append(SetPatched(pod.name, True, f"runs {pod.revision}"))
+    return out
 
 
 async def active_rollout(kube: Kube, namespace: str, fleet: str,
@@ -103,6 +134,7 @@ async def reconcile_fleet(rt: Runtime, body: dict[str, Any]) -> FleetResult:
     rollout_patch = ((rollout.get("spec") or {}).get("patch") or {}).get("name") if rollout else None
     spec = await _reread(rt, namespace, name, spec)
     plan = converge(spec.patches, list(fleet_pods), rollout_patch=rollout_patch)
+    plan.actions += _renewed_gates(raw, fleet_pods, plan.converged)
     by_name = {p["metadata"]["name"]: p for p in raw}
     errors: dict[str, str] = {}
     # labels and annotations first, then the engines, then the gates
