@@ -207,9 +207,13 @@ class _Tick:
 
     # acting
     async def execute(self, actions: list[Action]) -> None:
-        """Runs the actions in order; a run of actions of one kind goes out concurrently."""
+        """Runs the actions in order; a run of actions of one kind goes out concurrently. Once an action
+        meets a problem (a route update refused, no token, no bundle) the rest wait for the next decision:
+        a rollback must not revert the canaries while the route still sends them traffic."""
         for _, group in itertools.groupby(actions, key=type):
             await asyncio.gather(*(self.act(a) for a in group))
+            if self.problem is not None:
+                break
 
     async def act(self, action: Action) -> None:
         match action:

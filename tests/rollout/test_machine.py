@@ -526,16 +526,49 @@ def test_spec_patch_change_mid_rollout_rolls_back(spec):
     assert not any("kv-align" in p.revision for p in fleet.pods.values())
 
 
-def test_comparison_checks_are_skipped_once_no_stable_pod_is_left(spec):
+COMPARISONS = (("gate", "error-rate-delta"), ("gate", "tpot-p99"), ("breaker", "ttft-p99"), ("breaker", "tpot-p99"))
+
+
+def test_comparison_checks_are_skipped_once_no_stable_pod_is_left():
+    # the last step holds for a pause, so its runs can be read before the promotion
+    spec = make_spec(steps=[{"weight": 1, "pause": "10s"}, {"weight": 50, "pause": "10s"},
+                            {"weight": 100, "pause": "1h"}])
     fleet = Fleet.of(spec, 2)
-    status, _ = drive(fleet, RolloutStatus(), 0, 100, stop=lambda s: s.step_index == 2)
-    status = fleet.tick(status, status.analysis.last_run + 5, healthy(spec))
-    assert status.step_index == 2 or status.phase == "Promoted"
+    status = fleet.tick(RolloutStatus(), 0)
+    status = fleet.tick(status, 10, healthy(spec))        # step 2 in place at 10: pod-1 is still stable
+    assert status.step_index == 1 and fleet.patched() == {"pod-0"}
+    status = fleet.tick(status, 15, healthy(spec))        # a run while one stable pod is left
+    results = {(r.role, r.name): r for r in status.analysis.results}
+    for key in COMPARISONS:
+        assert results[key].verdict == "Successful", (key, results[key].message)
+    # the run at 20 is judged with the pods of step 2, then step 3 makes pod-1 a canary too
+    status = fleet.tick(status, 20, healthy(spec))
+    assert status.step_index == 2 and fleet.patched() == {"pod-0", "pod-1"}
+    assert all(r.verdict != "Skipped" for r in status.analysis.results), "judged while pod-1 was stable"
+    status = fleet.tick(status, 25, healthy(spec))        # the first run with no stable pod
+    assert (status.phase, status.step_index, status.analysis.last_run) == ("Progressing", 2, 25)
+    results = {(r.role, r.name): r for r in status.analysis.results}
+    for key in COMPARISONS:
+        r = results[key]
+        assert (r.verdict, r.breaches, r.value) == ("Skipped", 0, None), key
+        assert r.message == f"{key[1]}: no stable pods left to compare with"
+    # the absolute checks are still judged, and a skipped comparison holds nothing
+    assert results[("breaker", "error-rate")].verdict == "Successful"
+    assert results[("breaker", "cpu")].verdict == "Successful"
+    assert status.analysis.verdict == "Successful"
+
+
+def test_a_stable_pod_that_is_not_ready_leaves_nothing_to_compare_with():
+    spec = make_spec(steps=[{"weight": 50, "pause": "10s"}, {"weight": 100, "pause": "1h"}])
+    fleet = Fleet.of(spec, 3)
+    status = fleet.tick(RolloutStatus(), 0)
+    assert fleet.patched() == {"pod-0", "pod-1"}
+    fleet.pods["pod-2"].ready = False                      # the last stable pod serves no traffic
+    status = fleet.tick(status, 10, healthy(spec))
+    assert status.step_index == 1 and status.pod("pod-2").track == "stable"
+    status = fleet.tick(status, 15, healthy(spec))
     results = {(r.role, r.name): r.verdict for r in status.analysis.results}
-    # canary against stable: error-rate-delta, and the latency ratios
-    for key in (("gate", "error-rate-delta"), ("gate", "tpot-p99"), ("breaker", "ttft-p99"), ("breaker", "tpot-p99")):
-        assert results[key] == "Skipped", key
-    assert results[("breaker", "error-rate")] == "Successful" and results[("breaker", "cpu")] == "Successful"
+    assert all(results[key] == "Skipped" for key in COMPARISONS), results
 
 
 def test_analysis_waits_an_interval_after_the_first_canary(spec):

@@ -1,0 +1,88 @@
+"""The installed commands as a person runs them: the `graft` console script's `rollout` verbs and the
+kubectl plug-in `kubectl-graft` (directly, and through kubectl's plug-in lookup), each a process of
+its own against the API server emulator."""
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from graft.devcluster.kubeconfig import write_kubeconfig
+from graft.operator.kube import rollout_path
+
+from operator_cluster import create, get_rollout, manifest
+
+pytestmark = pytest.mark.timeout(60)
+BIN = Path(sys.executable).parent
+VERBS = ("status", "pause", "resume", "promote", "abort", "simulate")
+
+
+def script(name: str) -> str:
+    path = shutil.which(name, path=str(BIN))
+    assert path, f"the console script {name} is not installed next to {sys.executable}"
+    return path
+
+
+def run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    # a wide terminal so that rich does not wrap what the test looks for
+    env = {**os.environ, "COLUMNS": "200", "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=45, env=env)
+
+
+@pytest.fixture
+async def kubeconfig(cluster, namespace, prometheus, tmp_path):
+    await create(cluster, namespace, manifest(prometheus, steps=[{"weight": 50, "pause": "1h"}, {"weight": 100}]))
+    await cluster.kube.merge_patch(rollout_path(namespace, "kv-align") + "/status", {"status": {
+        "phase": "Progressing", "reason": "Progressing", "message": "step 1/2: weight 50%, 1 of 2 pods canary",
+        "patch": "kv-align@3.2.1", "stepIndex": 0, "weight": 50, "stableRevision": "base",
+        "canaryRevision": "kv-align@3.2.1"}})
+    return cluster.kubeconfig or str(write_kubeconfig(tmp_path / "kubeconfig", cluster.url, namespace=namespace))
+
+
+@pytest.mark.parametrize("argv", [["kubectl-graft", "--help"], ["graft", "rollout", "--help"]])
+def test_help_names_every_verb(argv):
+    out = run(script(argv[0]), *argv[1:])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: graft rollout")
+    for verb in VERBS:
+        assert verb in out.stdout, verb
+
+
+def test_a_verb_without_its_rollout_is_a_usage_error():
+    out = run(script("kubectl-graft"), "pause")
+    assert out.returncode == 2 and "the following arguments are required: name" in out.stderr
+
+
+async def test_kubectl_graft_pauses_and_graft_rollout_resumes(cluster, namespace, kubeconfig):
+    out = await asyncio.to_thread(run, script("kubectl-graft"), "pause", "kv-align", "-n", namespace,
+                                  "--kubeconfig", kubeconfig)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"PatchRollout {namespace}/kv-align paused" in out.stdout
+    assert (await get_rollout(cluster.kube, namespace, "kv-align"))["spec"]["paused"] is True
+    out = await asyncio.to_thread(run, script("graft"), "rollout", "resume", "kv-align", "-n", namespace,
+                                  "--kubeconfig", kubeconfig)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (await get_rollout(cluster.kube, namespace, "kv-align"))["spec"]["paused"] is False
+
+
+async def test_status_through_kubectl_and_the_kubeconfig_namespace(cluster, namespace, kubeconfig):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl on PATH")
+    # no -n: the namespace comes from the kubeconfig's context, as kubectl's own commands take it
+    out = await asyncio.to_thread(run, kubectl, "graft", "status", "kv-align", "--kubeconfig", kubeconfig)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for text in ("kv-align", "Progressing", "50%", "kv-align@3.2.1"):
+        assert text in out.stdout, text
+
+
+async def test_an_unknown_rollout_exits_1_with_the_reason(cluster, namespace, kubeconfig):
+    out = await asyncio.to_thread(run, script("kubectl-graft"), "abort", "nope", "-n", namespace,
+                                  "--kubeconfig", kubeconfig)
+    assert out.returncode == 1
+    assert f"PatchRollout {namespace}/nope not found" in out.stdout
+    obj = await get_rollout(cluster.kube, namespace, "kv-align")
+    assert "graft.dev/abort" not in (obj["metadata"].get("annotations") or {})
