@@ -84,9 +84,11 @@ async def clean_slate(request: pytest.FixtureRequest, fleet: Fleet, traffic: Cli
 
 async def back_to_base(fleet: Fleet) -> None:
     await fleet.restore_processes()
+    t0 = time.monotonic()
     for name in list(fleet.rollouts):
         await fleet.delete_rollout(name)
         fleet.rollouts.remove(name)
+    deleted = time.monotonic() - t0
     deployment = f"/apis/apps/v1/namespaces/{fleet.namespace}/deployments/{DEPLOYMENT}"
     reply = await fleet.api.patch(deployment, json={"spec": {"replicas": PODS}},
                                   headers={"content-type": "application/merge-patch+json"})
@@ -96,6 +98,7 @@ async def back_to_base(fleet: Fleet) -> None:
     else:
         await set_fleet_patches(fleet, [])
     await fleet.wait_for(lambda: converged(fleet, BASE, PODS), START_TIMEOUT, f"{PODS} pods converged at base")
+    print(f"[back to base: rollouts deleted in {deleted:.1f}s, fleet at base {time.monotonic() - t0:.1f}s]")
 
 
 async def test_first_rollout_on_a_gated_fleet_creates_the_patchfleet_and_lets_the_pods_in(fleet: Fleet, fresh):
@@ -302,14 +305,16 @@ async def test_an_upgrade_of_an_applied_patch_fails_no_client_request(fleet: Fle
     await fleet.wait_for(lambda: converged(fleet, KV, PODS), 60, f"every pod at {KV} from the PatchFleet")
     ro = rollout_manifest(fleet, f"upgrade-{RUN}", KV_NEXT)
     name = ro["metadata"]["name"]
+    pods = {p["metadata"]["name"] for p in await fleet.pods()}
     started = time.time()
-    async with Recorder(fleet, name, engines=True, every=0.25) as rec:
+    async with GateWatch(fleet) as watch, Recorder(fleet, name, engines=True, every=0.25) as rec:
         await fleet.apply(ro)
         final = await rec.final(TIMEOUT)
-    await asyncio.sleep(2)          # requests in flight at the promotion are answered
+        await asyncio.sleep(2)      # requests in flight at the promotion are answered
     st = final.status
     assert final.phase == "Promoted", st.get("message")
-    assert (st["stableRevision"], st["canaryRevision"], st.get("stablePatch")) == (KV, KV_NEXT, KV)
+    assert (st["stableRevision"], st["canaryRevision"], st.get("stablePatch")) == (KV_NEXT, KV_NEXT, KV)
+    assert watch.closed(pods) == [], f"a gate closed during the upgrade: {watch.closed(pods)[:5]}"
     seen = {r for s in rec.samples for r in s.engines.values() if r is not None}
     assert seen <= {KV, KV_NEXT} and KV_NEXT in seen, seen
     assert fleet_refs(await patch_fleet(fleet)) == [KV_NEXT]
@@ -324,6 +329,8 @@ async def test_an_upgrade_of_an_applied_patch_fails_no_client_request(fleet: Fle
 
 
 async def test_revert_takes_a_promoted_patch_out_of_every_pod_and_the_fleet(fleet: Fleet):
+    """kv-align@3.2.1 on every pod, then a rollout of `action: revert`: promoted, it has taken the
+    patch out of every engine and out of the PatchFleet, and the fleet controller leaves it out."""
     await set_fleet_patches(fleet, [builtin(KV)])
     await fleet.wait_for(lambda: converged(fleet, KV, PODS), 60, f"every pod at {KV}")
     ro = rollout_manifest(fleet, f"revert-{RUN}", KV, action="revert")
@@ -331,7 +338,8 @@ async def test_revert_takes_a_promoted_patch_out_of_every_pod_and_the_fleet(flee
     await fleet.apply(ro)
     st = (await until_phase(fleet, name, ("Promoted", "RolledBack", "Failed"), TIMEOUT))["status"]
     assert st["phase"] == "Promoted", st.get("message")
-    assert (st["stableRevision"], st["canaryRevision"]) == (KV, BASE)
+    assert (st["stableRevision"], st["canaryRevision"]) == (BASE, BASE)
+    assert "RolledBack" not in [e["reason"] for e in await fleet.events(name)]
     assert fleet_refs(await patch_fleet(fleet)) == []
     await fleet.wait_for(lambda: converged(fleet, BASE, PODS), 30, "every pod at base")
     await asyncio.sleep(3)          # and the fleet controller leaves them so
