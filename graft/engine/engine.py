@@ -272,6 +272,9 @@ class LLMEngine:
         if prompt_len >= self.config.max_model_len:
             raise ValueError(f"the prompt has {prompt_len} tokens; this model's context is "
                              f"{self.config.max_model_len} tokens including the completion")
+        if prompt_len >= self.scheduler.max_seq_len:   # refused here, a 400, not in the step loop
+            raise ValueError(f"the prompt has {prompt_len} tokens; the KV cache holds "
+                             f"{self.scheduler.max_seq_len} tokens including at least one generated token")
         params.validate()
         vocab = self.model_config.vocab_size
         if params.top_k > vocab:
