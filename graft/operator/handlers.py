@@ -98,6 +98,8 @@ async def _fresh(runtime: Runtime, body: kopf.Body) -> dict[str, Any] | None:
 
 async def step(runtime: Runtime, body: kopf.Body) -> None:
     """Reconcile one rollout now, and post the events of what changed."""
+    if runtime.closed:
+        return
     async with runtime.locks[body["metadata"]["uid"]]:
         current = await _fresh(runtime, body)
         if current is None or _settled(current):
@@ -112,6 +114,8 @@ async def step(runtime: Runtime, body: kopf.Body) -> None:
 async def fleet_step(runtime: Runtime, body: kopf.Body) -> None:
     """Converge one fleet's pods now, and post the events of what changed."""
     meta = body["metadata"]
+    if runtime.closed:
+        return
     async with runtime.locks["fleet/" + meta["uid"]]:
         current = await runtime.kube.get(fleet_path(meta["namespace"], meta["name"]))
         if current is None:

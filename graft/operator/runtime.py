@@ -41,6 +41,7 @@ class Runtime:
         self.unauthorized: dict[str, int] = {}     # namespace/pod -> ticks in a row its engine refused the token
         self._providers: dict[tuple, PrometheusProvider] = {}
         self.metrics = OperatorMetrics()
+        self.closed = False
 
     # Kubernetes login, chosen by settings
     async def login(self, logger: Any = None, **kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -119,6 +120,7 @@ class Runtime:
         return value
 
     async def close(self) -> None:
+        self.closed = True          # timers still firing during shutdown find nothing to do
         await self._admin.aclose()
         for provider in self._providers.values():
             await provider.aclose()

@@ -156,7 +156,7 @@ def _rate(check: Check, m: Measurement, a: Analysis) -> _Outcome:
     if bad / n > limit and n >= need:
         return _Outcome(FAILED, f"{shown}: above the {limit_text}, not yet conclusively", value, **numbers)
     return _Outcome(INCONCLUSIVE, f"{shown}: upper bound {_pct(upper)} not yet within the {limit_text} "
-                                  f"(needs at least {need} requests)", value, short=True, **numbers)
+                                  f"(about {need} error-free requests show it)", value, short=True, **numbers)
 
 
 def _difference(check: Check, m: Measurement, a: Analysis) -> _Outcome:
@@ -189,7 +189,7 @@ def _difference(check: Check, m: Measurement, a: Analysis) -> _Outcome:
         return _Outcome(FAILED, f"{shown}: above {_pp(limit)}, not yet conclusively", value, **numbers)
     # too few requests for a few background errors to mean anything: wait for traffic
     return _Outcome(INCONCLUSIVE, f"{shown}: upper bound {_pp(d.upper)} not yet within {_pp(limit)} "
-                                  f"(needs at least {need} canary requests)", value, short=True, **numbers)
+                                  f"(about {need} error-free canary requests show it)", value, short=True, **numbers)
 
 
 def quantile_floor(check: Check) -> int:
@@ -288,6 +288,8 @@ def verdict_of(analysis: Analysis, results: list[CheckResult], *, final_evidence
     deciding = _deciding(results)
     if any(r.verdict == ERROR for r in deciding):
         return ERROR
+    if deciding and not any(r.verdict == SUCCESSFUL for r in deciding):
+        return INCONCLUSIVE     # nothing was judged on data: a step never passes on no evidence at all
     for r in deciding:
         if r.verdict == SUCCESSFUL:
             continue

@@ -115,7 +115,7 @@ def test_a_gate_passes_once_the_traffic_shows_it_holds():
     assert need == math.ceil(math.log(0.05) / math.log(1 - limit))       # the "rule of three": ~3 / limit
     short = judge(SUCCESS, {"canary_requests": need - 1, "canary_matching": need - 1}, a=GATES)
     assert (short.verdict, short.short, short.role) == ("Inconclusive", True, "gate")
-    assert f"needs at least {need} requests" in short.message
+    assert f"about {need} error-free requests" in short.message
     ok = judge(SUCCESS, {"canary_requests": need, "canary_matching": need}, a=GATES)
     assert ok.verdict == "Successful" and ok.value == 1.0
 
@@ -146,7 +146,7 @@ def test_difference_gate_on_counts():
     assert need == math.ceil(math.log(0.05) / math.log(0.999)) == 2995     # ~3000 canary requests
     few = judge(GDELTA, {"canary_requests": 400, "canary_errors": 0, "stable_requests": 40_000,
                          "stable_errors": 4}, a=GATES)
-    assert (few.verdict, few.short) == ("Inconclusive", True) and f"needs at least {need} canary" in few.message
+    assert (few.verdict, few.short) == ("Inconclusive", True) and f"about {need} error-free canary" in few.message
     plenty = judge(GDELTA, {"canary_requests": 100_000, "canary_errors": 10, "stable_requests": 100_000,
                             "stable_errors": 10}, a=GATES)
     assert plenty.verdict == "Successful" and plenty.value == 0

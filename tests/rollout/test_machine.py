@@ -160,17 +160,18 @@ def test_a_gate_lacking_traffic_holds_only_the_last_step_with_stable_pods():
     assert status.phase == "Progressing" and status.step_index == 2, "steps 1 and 2 may pass, 50% waits"
     assert status.analysis.verdict == "Inconclusive"
     delta = status.analysis.result("error-rate-delta", "gate")
-    assert delta.short and "needs at least 2995 canary requests" in delta.message
+    assert delta.short and "about 2995 error-free canary requests" in delta.message
     status, _ = drive(fleet, status, now, now + 60, stop=lambda s: s.phase == "Promoted")
     assert status.phase == "Promoted"
 
 
-def test_no_data_at_all_reaches_the_last_stable_step_then_pauses_for_a_person():
+def test_no_data_at_all_holds_the_first_step_then_pauses_for_a_person():
+    # a step never passes on no evidence: with nothing judged on data, not even the first step advances
     spec = make_spec(analysis_inconclusiveLimit=3)
     fleet = Fleet.of(spec, 2)
     status, now = drive(fleet, RolloutStatus(), 0, 60, measure=no_data,
                         stop=lambda s: s.phase != "Progressing")
-    assert status.phase == "Paused" and status.step_index == 1 and status.reason == "InconclusiveLimit"
+    assert status.phase == "Paused" and status.step_index == 0 and status.reason == "InconclusiveLimit"
     assert fleet.spec.paused, "PauseRollout: the operator wrote spec.paused"
     assert "InconclusiveLimit" in fleet.reasons() and "Promoted" not in fleet.reasons()
     event = next(e for e in fleet.events if e.reason == "InconclusiveLimit")
@@ -178,7 +179,7 @@ def test_no_data_at_all_reaches_the_last_stable_step_then_pauses_for_a_person():
     assert fleet.patched() == {"pod-0"}, "nothing rolled back: a person decides"
     # nothing moves while paused
     status, _ = drive(fleet, status, now + 1, now + 40, measure=no_data)
-    assert (status.phase, status.step_index) == ("Paused", 1)
+    assert (status.phase, status.step_index) == ("Paused", 0)
 
 
 def test_the_inconclusive_limit_counts_only_runs_after_the_steps_pause():

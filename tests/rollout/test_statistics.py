@@ -100,7 +100,7 @@ def test_error_delta_gate_passes_holds_and_rolls_back_on_the_evidence():
     short = judge(spec, delta, {"canary_requests": 300, "canary_errors": 0,
                                 "stable_requests": 3000, "stable_errors": 0})
     assert (short.verdict, short.short) == ("Inconclusive", True)
-    assert "needs at least 2995 canary requests" in short.message
+    assert "about 2995 error-free canary requests" in short.message
     held = judge(spec, delta, {"canary_requests": 6000, "canary_errors": 18,
                                "stable_requests": 60000, "stable_errors": 30})
     assert (held.verdict, held.conclusive) == ("Failed", False)   # 0.3% vs 0.05%: holds, not yet proven
@@ -117,8 +117,11 @@ def test_a_gate_lacking_traffic_holds_only_the_last_step_with_stable_pods():
     delta = gate(spec, "error-rate-delta")
     short = judge(spec, delta, {"canary_requests": 100, "canary_errors": 0,
                                 "stable_requests": 9900, "stable_errors": 1})
-    assert analysis.verdict_of(spec.analysis, [short], final_evidence=False) == "Successful"
-    assert analysis.verdict_of(spec.analysis, [short], final_evidence=True) == "Inconclusive"
+    err = judge(spec, breaker(spec, "error-rate"), {"canary_requests": 100, "canary_matching": 0})
+    assert analysis.verdict_of(spec.analysis, [err, short], final_evidence=False) == "Successful"
+    assert analysis.verdict_of(spec.analysis, [err, short], final_evidence=True) == "Inconclusive"
+    # but a step never passes on no evidence at all: something must have been judged on data
+    assert analysis.verdict_of(spec.analysis, [short], final_evidence=False) == "Inconclusive"
 
 
 def test_latency_ratio_is_judged_against_stable_with_enough_samples():
