@@ -5,7 +5,6 @@ import argparse
 import asyncio
 import json
 import math
-import time
 
 import pytest
 from aiohttp import web
@@ -104,9 +103,12 @@ async def test_load_generator_measures_ttft_tpot_latency_and_tokens(fake):
         assert r.ok, r.error
         assert r.output_tokens == 5 and r.prompt_tokens == 3
         assert r.text == "t0 t1 t2 t3 t4 " and r.finish_reason == "length"
-        # lower bounds are exact (the server sleeps at least that long); upper bounds allow a busy machine
-        assert FIRST_TOKEN_DELAY <= r.ttft < FIRST_TOKEN_DELAY + 0.5
-        assert TOKEN_GAP <= r.tpot < TOKEN_GAP + 0.1
+        # lower bounds are exact (the server sleeps at least that long); the rest is the order of the
+        # events each figure is taken at, which a busy machine stretches but cannot change. (Upper
+        # bounds on the durations only measured the machine's load.)
+        assert FIRST_TOKEN_DELAY <= r.ttft and TOKEN_GAP <= r.tpot
+        assert r.sent_at < r.first_token_at < r.last_token_at <= r.done_at
+        assert r.tpot == pytest.approx((r.last_token_at - r.first_token_at) / 4)
         assert r.latency >= r.ttft + 4 * TOKEN_GAP
     s = rep.summary()
     assert (s.requests, s.errors, s.output_tokens, s.prompt_tokens) == (6, 0, 30, 18)
@@ -148,9 +150,12 @@ async def test_background_load_keeps_its_concurrency_until_stopped(fake):
         task = asyncio.create_task(gen.run_until(stop, [Request("a", max_tokens=2), Request("b", max_tokens=2)], 2))
         await asyncio.sleep(0.6)
         stop.set()
-        t0 = time.perf_counter()
-        rep = await task
-    assert time.perf_counter() - t0 < 1.0           # in-flight requests finish, no new ones start
+        started = len(fake.bodies)
+        rep = await asyncio.wait_for(task, 30)      # a hang guard only: timing is not what is tested
+    # in-flight requests finish (every request the server saw is in the report, none is still open)
+    # and no new one starts (at most the two that were on their way when stop was set)
+    assert len(rep.results) == len(fake.bodies) and fake.in_flight == 0
+    assert len(fake.bodies) - started <= 2
     assert fake.max_in_flight == 2
     assert len(rep.results) >= 2 and not rep.errors
     assert {fake.bodies[i]["prompt"] for i in range(2)} == {"a", "b"}

@@ -104,40 +104,63 @@ def test_fault_patch_injects_errors_into_the_canary_revision(engine):
     assert metric_value(text, "graft_requests_total", revision="fault@1", status="error") == codes.count(500)
 
 
-def test_two_hundred_swaps_under_load_fail_no_request(engine):
+LOAD_PROMPTS = [f"Worker {w}: count from {w} to ten." for w in range(6)]
+
+
+async def _answers(url: str, prompts: list[str]) -> list[tuple[int, str]]:
+    """Each prompt's greedy completion, all sent at once (as the load below sends them)."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        replies = await asyncio.gather(*(client.post("/v1/completions", json={
+            "model": MODEL, "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True}) for p in prompts))
+    return [(r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text) for r in replies]
+
+
+def test_two_hundred_swaps_under_load_fail_no_request_and_change_no_token(engine):
+    """A half-applied patch would not fail a request, it would give wrong tokens: every answer during
+    the swaps must be the greedy answer its prompt gets on some whole revision (base or a 3.2.1 patch)."""
+    known: dict[str, set[str]] = {p: set() for p in LOAD_PROMPTS}
+    for name in (None, *SET_321):
+        if name is not None:
+            assert apply(engine, name).status_code == 200
+        try:
+            for prompt, (code, text) in zip(LOAD_PROMPTS, asyncio.run(_answers(engine.url, LOAD_PROMPTS))):
+                assert code == 200, text
+                known[prompt].add(text)
+        finally:
+            if name is not None:
+                revert(engine, name)
     stop = threading.Event()
-    results: list[int] = []
+    results: list[tuple[str, int, str]] = []
 
     def load() -> None:
         async def run() -> None:
             async with httpx.AsyncClient(base_url=engine.url, timeout=120) as client:
-                async def worker(w: int) -> None:
-                    i = 0
+                async def worker(prompt: str) -> None:
                     while not stop.is_set():
                         r = await client.post("/v1/completions", json={
-                            "model": MODEL, "prompt": f"Worker {w} request {i}: count to ten.",
-                            "max_tokens": 6, "temperature": 0, "ignore_eos": True})
-                        results.append(r.status_code)
-                        i += 1
-                await asyncio.gather(*(worker(w) for w in range(6)))
+                            "model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+                        results.append((prompt, r.status_code,
+                                        r.json()["choices"][0]["text"] if r.status_code == 200 else r.text))
+                await asyncio.gather(*(worker(p) for p in LOAD_PROMPTS))
         asyncio.run(run())
 
     t = threading.Thread(target=load)
     t.start()
-    apply_ms = []
     try:
         with engine.admin() as admin:
             for cycle in range(200):
                 name = SET_321[cycle % 3]
                 r = admin.post("/admin/patches", json={"name": name, "version": "3.2.1", "source": BUILTIN})
                 assert r.status_code == 200, r.text
-                apply_ms.append(r.json()["applyMs"])
                 assert admin.delete(f"/admin/patches/{name}").status_code == 200
     finally:
         stop.set()
         t.join(120)
     assert len(results) > 50
-    assert set(results) == {200}, {c: results.count(c) for c in set(results)}
+    codes = [code for _, code, _ in results]
+    assert set(codes) == {200}, {c: codes.count(c) for c in set(codes)}
+    wrong = [(prompt, text) for prompt, _, text in results if text not in known[prompt]]
+    assert not wrong, f"{len(wrong)} of {len(results)} answers match no revision: {wrong[:3]}; known: {known}"
     text = httpx.get(engine.url + "/metrics").text
     assert metric_value(text, "graft_patch_apply_seconds_count", op="apply") >= 200
 
