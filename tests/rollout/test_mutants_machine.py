@@ -1,0 +1,197 @@
+"""Behaviour of the state machine and the fleet controller that no other test pinned down: each test
+here fails on a deliberate break of graft/rollout/machine.py or graft/rollout/fleet.py (a flipped
+comparison, a dropped statement) that the rest of the suite let through."""
+import pytest
+
+from graft.rollout.decision import ClearPromote, PatchPod, RecordPromotion, UnpatchPod
+from graft.rollout.fleet import (ApplyPatch, FleetPod, MarkPod, RevertPatch, SetPatched, adopt, converge,
+                                 without)
+from graft.rollout.machine import canary_target, decide, stable_of
+from graft.rollout.observation import PodError
+from graft.rollout.spec import PatchSource, PatchSpec
+from graft.rollout.status import RolloutStatus
+
+from rollout_fleet import Fleet, breaching, healthy, make_spec, no_data, provider_down
+
+KV = PatchSpec("kv-align", "3.2.1", PatchSource(builtin=True))
+SYNC = PatchSpec("sync-free", "3.2.1", PatchSource(builtin=True))
+
+
+# canary counts and the stable side
+@pytest.mark.parametrize("pods,weight", [(3, 0), (0, 0), (5, -1)])
+def test_no_weight_means_no_canary(pods, weight):
+    assert canary_target(pods, weight) == 0
+
+
+@pytest.mark.parametrize("revisions,reverting,stable", [
+    (["x@1", "x@1", "y@1"], False, "x@1"),                 # the most common revision
+    (["y@1", "x@1"], False, "x@1"),                        # a tie: the first by name, whatever the order
+    (["kv-align@3.2.1", "base"], False, "base"),           # a pod already patched is not the stable side
+    (["kv-align@3.2.1"], False, "base"),                   # ... unless all are: then without the patch
+    ([], False, "base"),
+    (["kv-align@3.2.1", "base", "base"], True, "kv-align@3.2.1"),   # reverting: what runs the patch
+    (["base", "base"], True, "base"),                      # reverting a patch no pod runs
+])
+def test_the_stable_revision(revisions, reverting, stable):
+    assert stable_of(revisions, "kv-align@3.2.1", reverting) == stable
+
+
+def test_a_revert_records_the_patched_revision_as_stable():
+    spec = make_spec(action="revert")
+    fleet = Fleet.of(spec, 3)
+    for pod in fleet.pods.values():
+        pod.revision = "kv-align@3.2.1"
+    status = fleet.tick(RolloutStatus(), 0)
+    assert (status.stable_revision, status.canary_revision) == ("kv-align@3.2.1", "base")
+
+
+# what every decision carries
+def test_a_decision_records_the_generation_and_the_conditions_it_saw(spec):
+    fleet = Fleet.of(spec, 2)
+    fleet.generation = 7
+    status = fleet.tick(RolloutStatus(), 0)
+    assert status.observed_generation == 7
+    conditions = {c["type"]: c for c in status.conditions}
+    assert conditions["Progressing"]["status"] == "True" and conditions["Promoted"]["status"] == "False"
+    assert all(c["observedGeneration"] == 7 for c in conditions.values())
+
+
+def test_pod_records_are_kept_in_name_order(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.add("a-late")
+    status = fleet.tick(status, 1)
+    assert [p.name for p in status.pods] == ["a-late", "pod-0", "pod-1"]
+
+
+# starting
+def test_an_abort_before_the_start_says_so(spec):
+    fleet = Fleet.of(spec, 2)
+    fleet.abort = True
+    status = fleet.tick(RolloutStatus(), 0)
+    assert (status.phase, status.reason) == ("RolledBack", "Aborted")
+    assert [(e.reason, e.type) for e in fleet.events] == [("Aborted", "Warning")]
+    assert fleet.posts == {}
+
+
+def test_every_engine_refusing_the_token_fails_the_start_at_once(spec):
+    fleet = Fleet.of(spec, 2)
+    for pod in fleet.pods.values():
+        pod.unreachable = True            # no revision comes back from any engine
+    refused = {name: PodError("unauthorized", "GET /admin/patches: 403 wrong token") for name in fleet.pods}
+    d = decide(spec, RolloutStatus(), fleet.observe(RolloutStatus(), refused, None), 0)
+    assert (d.status.phase, d.status.reason) == ("Failed", "Unauthorized")
+    assert d.status.message == "pod pod-0: GET /admin/patches: 403 wrong token"
+    assert [e.reason for e in d.events] == ["Unauthorized"] and d.actions == []
+
+
+# steps and analysis counters
+def test_a_new_step_starts_its_holding_and_error_counts_from_zero():
+    spec = make_spec(analysis_inconclusiveLimit=5, steps=[{"weight": 1, "pause": "5s"}, {"weight": 50, "pause": "1h"},
+                                                          {"weight": 100}])
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    for t in (5, 10, 15):
+        status = fleet.tick(status, t, no_data(spec))
+    for t in (20, 25):
+        status = fleet.tick(status, t, provider_down(spec))
+    assert status.analysis.error_runs == 2 and status.step_index == 0
+    fleet.promote = "step"
+    status = fleet.tick(status, 26)
+    assert status.step_index == 1
+    assert (status.analysis.inconclusive_runs, status.analysis.error_runs) == (0, 0)
+
+
+def test_analysis_passed_is_said_once_per_turn_to_successful(spec):
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    for t in (5, 10, 15):
+        status = fleet.tick(status, t, healthy(spec))
+    assert fleet.reasons().count("AnalysisPassed") == 1
+    status = fleet.tick(status, 20, no_data(spec))
+    assert fleet.reasons().count("AnalysisInconclusive") == 1
+    status = fleet.tick(status, 25, healthy(spec))
+    assert fleet.reasons().count("AnalysisPassed") == 2
+
+
+def test_losing_every_ready_pod_mid_rollout_says_no_pods(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    for pod in fleet.pods.values():
+        pod.ready = False
+    status = fleet.tick(status, 1)
+    assert status.phase == "Progressing" and status.reason == "NoPods"
+    assert status.message == "step 1/3: weight 1%, 0 of 0 pods canary; no ready pods match the selector"
+    assert fleet.reasons().count("NoPods") == 1
+
+
+def test_a_promotion_records_itself_and_says_what_every_pod_runs(spec):
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.promote = "full"
+    actions, answered = [], {}
+    for _ in range(4):                           # one operator tick, keeping every action
+        d = decide(spec, status, fleet.observe(status, {}, None, answered), 1)
+        status = d.status
+        actions += d.actions
+        fleet.execute(d, answered)
+    assert status.phase == "Promoted" and actions.count(RecordPromotion()) == 1
+    assert status.message == "kv-align@3.2.1 promoted: all 4 pods run kv-align@3.2.1"
+
+
+def test_a_rollback_drops_what_the_same_tick_planned_for_the_next_step(spec):
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.promote = "step"                       # would patch a second pod ...
+    one = make_spec(analysis={"interval": "5s", "breakers": [{"name": "error-rate", "max": 0.005,
+                                                              "consecutive": 1}]})
+    d = decide(one, status, fleet.observe(status, {}, breaching(one, "error-rate")), 5)
+    assert d.status.phase == "RollingBack"       # ... but the same run rolls back
+    assert not [a for a in d.actions if isinstance(a, PatchPod)]
+    assert ClearPromote() in d.actions, "the promote control is still consumed"
+    assert [a.pod for a in d.actions if isinstance(a, UnpatchPod)] == ["pod-0"]
+
+
+# the fleet controller
+def pod(name, revision="base", **kw):
+    return FleetPod(name, revision=revision, patches=kw.pop("patches", revision), track=kw.pop("track", "stable"),
+                    **kw)
+
+
+@pytest.mark.parametrize("changes", [{"track": "canary"}, {"patches": "base"}])
+def test_a_pod_is_relabelled_when_either_its_track_or_its_annotation_is_off(changes):
+    plan = converge([KV], [pod("p", "kv-align@3.2.1", patched=True, **changes)])
+    assert plan.actions == [MarkPod("p", "stable", "kv-align@3.2.1")]
+
+
+def test_pods_that_cannot_be_asked_are_pending_with_the_reason():
+    plan = converge([KV], [pod("a", running=False, ready=False, patched=False),
+                           pod("b", revision=None, patches="kv-align@3.2.1", error="connection refused"),
+                           pod("c", revision=None, patches="kv-align@3.2.1")])
+    assert plan.pending == {"a": "not running", "b": "connection refused", "c": "the engine did not answer"}
+    assert plan.converged == []
+
+
+def test_a_patched_pod_that_must_change_is_let_out_first():
+    plan = converge([KV], [pod("p", "sync-free@3.2.1", patches="kv-align@3.2.1", patched=True)])
+    assert SetPatched("p", False, "converging to kv-align@3.2.1") in plan.actions
+    assert ApplyPatch("p", KV) in plan.actions
+
+
+@pytest.mark.parametrize("patched", [False, None])
+def test_a_converged_pod_is_let_in_unless_it_already_is(patched):
+    plan = converge([KV], [pod("p", "kv-align@3.2.1", patched=patched)])
+    assert plan.actions == [SetPatched("p", True, "runs kv-align@3.2.1")] and plan.converged == ["p"]
+    assert converge([KV], [pod("p", "kv-align@3.2.1", patched=True)]).actions == []
+
+
+def test_a_patch_no_longer_held_is_reverted():
+    plan = converge([], [pod("p", "kv-align@3.2.1", patches="base", patched=True)])
+    assert RevertPatch("p", "kv-align") in plan.actions
+
+
+def test_undoing_and_adopting_patches():
+    assert without([KV, SYNC], "kv-align") == [SYNC]
+    assert without([SYNC], "kv-align") == [SYNC]
+    assert adopt("kv-align@3.2.1,sync-free@3.2.1") == [KV, SYNC]
+    assert adopt("base") == []
