@@ -126,3 +126,8 @@ async def test_the_routing_kind_picks_the_router():
     await plain.set_weight(50)
     await plain.reconcile()
     await plain.finalize()
+
+
+def test_a_route_error_reads_as_its_message():
+    e = RouteError("HTTPRouteMissing", "HTTPRoute ns/llm not found")
+    assert str(e) == "HTTPRoute ns/llm not found" and (e.reason, e.message) == ("HTTPRouteMissing", str(e))
