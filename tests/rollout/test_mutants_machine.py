@@ -195,3 +195,90 @@ def test_undoing_and_adopting_patches():
     assert without([SYNC], "kv-align") == [SYNC]
     assert adopt("kv-align@3.2.1,sync-free@3.2.1") == [KV, SYNC]
     assert adopt("base") == []
+
+
+# user promotions
+def test_promote_step_at_the_last_step_is_a_full_promotion():
+    spec = make_spec(steps=[{"weight": 50, "pause": "10s"}, {"weight": 100, "pause": "1h"}])
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    status = fleet.tick(status, 10, healthy(spec))
+    assert status.step_index == 1 and status.phase == "Progressing"
+    fleet.promote = "step"
+    status = fleet.tick(status, 11)
+    assert status.phase == "Promoted" and status.full_promotion
+    (event,) = [e for e in fleet.events if e.reason == "PromotedByUser"]
+    assert event.message == "full promotion requested at step 2/2: remaining steps and analysis skipped"
+
+
+def test_promote_full_starts_the_last_step_then_promotes(spec):
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.promote = "full"
+    status = fleet.tick(status, 1)
+    assert status.phase == "Promoted"
+    messages = [(e.reason, e.message.split(":")[0]) for e in fleet.events]
+    assert messages.index(("PromotedByUser", "full promotion requested at step 1/3")) \
+        < messages.index(("StepStarted", "step 3/3")) < [r for r, _ in messages].index("Promoted")
+
+
+# a canary that comes back
+def test_a_returning_canary_gives_way_to_the_longest_serving_one():
+    spec = make_spec(steps=[{"weight": 1, "pause": "1h"}, {"weight": 100}])
+    fleet = Fleet.of(spec, 3)
+    fleet.pods["pod-0"].ready = False
+    status = fleet.tick(RolloutStatus(), 0)
+    assert fleet.patched() == {"pod-1"}                      # patched at 0
+    fleet.pods["pod-0"].ready, fleet.pods["pod-1"].ready = True, False
+    status = fleet.tick(status, 1)
+    assert fleet.patched() == {"pod-0", "pod-1"}             # pod-0 took its place at 1
+    fleet.pods["pod-1"].ready = True                          # pod-1 is back, still patched
+    status = fleet.tick(status, 2)
+    assert [e.message for e in fleet.events if e.reason == "CanaryReturned"] == [
+        "pod pod-0 is a canary beyond the 1 that step 1/2 asks for; back to stable"]
+    assert fleet.patched() == {"pod-1"} and status.canary_pods == 1
+    assert {p.name: p.track for p in status.pods} == {"pod-0": "stable", "pod-1": "canary", "pod-2": "stable"}
+
+
+# what the rollout says it waits for
+def test_the_message_says_what_the_step_waits_for(spec):
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    assert status.message == "step 1/3: weight 1%, 1 of 4 pods canary; no analysis yet"
+    gateway = make_spec(trafficRouting={"gatewayAPI": {"httpRoute": "llm", "stableService": "s", "canaryService": "c"}})
+    gfleet = Fleet.of(gateway, 2, gateway=True)
+    status = gfleet.tick(RolloutStatus(), 0)
+    gfleet.route_weight = 0                                   # someone set the route back by hand
+    d = decide(gateway, status, gfleet.observe(status, {}, None), 1)
+    assert d.status.message == "step 1/3: weight 1%, 1 of 2 pods canary; the route weight is not set yet"
+
+
+def test_a_paused_rollout_is_never_rolled_back_by_the_deadline(spec):
+    from graft.rollout.observation import Problem
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.set_paused(True)
+    status = fleet.tick(status, 1)
+    assert status.phase == "Paused"
+    fleet.problem = Problem("AdminTokenMissing", "Secret graft/admin-token not found")
+    status = fleet.tick(status, 1000)
+    assert status.phase == "Paused" and "RollingBack" not in fleet.reasons()
+
+
+# endings
+@pytest.mark.parametrize("how", ["promote", "abort"])
+def test_every_pod_record_ends_stable_and_pod_ratio_routing_sets_no_weight(spec, how):
+    from graft.rollout.decision import SetWeight
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    status = fleet.tick(status, 10, healthy(spec))
+    setattr(fleet, how, "full" if how == "promote" else True)
+    actions, answered = [], {}
+    for _ in range(4):
+        d = decide(spec, status, fleet.observe(status, {}, None, answered), 11)
+        status = d.status
+        actions += d.actions
+        fleet.execute(d, answered)
+    assert status.phase == ("Promoted" if how == "promote" else "RolledBack")
+    assert {p.track for p in status.pods} == {"stable"}
+    assert not [a for a in actions if isinstance(a, SetWeight)], "pod ratio has no weight to set"
