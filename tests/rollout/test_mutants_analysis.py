@@ -38,3 +38,43 @@ def test_a_custom_value_is_said_with_its_threshold():
     good = judge(FRAGMENTATION, {"value": 0.123456})
     assert (good.verdict, good.message) == ("Successful", "kv-fragmentation 0.1235 over 60s within <= 0.25")
     assert good.numbers == {"measured": pytest.approx(0.123456)}
+
+
+ERR_GATE = spec_with(breakers=[], gates=[{"name": "error-rate", "max": 0.005, "window": "60s"}])
+ERR_BREAKER = spec_with(breakers=[{"name": "error-rate", "max": 0.005, "window": "60s"}], gates=[])
+LATENCY = spec_with(breakers=[{"name": "ttft-p99", "maxRatio": 1.5, "window": "30s"},
+                              {"name": "latency-p99", "max": 0.8, "window": "30s"}], gates=[])
+
+
+def test_one_request_is_judged_not_taken_for_none():
+    r = judge(ERR_BREAKER, {"canary_requests": 1, "canary_matching": 0})
+    assert r.verdict == "Successful" and "no canary requests" not in r.message
+    assert r.numbers["requests"] == 1
+
+
+@pytest.mark.parametrize("requests,errors", [(100, 1), (1000, 4)])
+def test_a_gate_without_enough_evidence_either_way_holds(requests, errors):
+    # 1 in 100: above 0.5% but far too few requests to say so; 4 in 1000: below 0.5% but not yet shown
+    r = judge(ERR_GATE, {"canary_requests": requests, "canary_matching": errors})
+    assert (r.verdict, r.short, r.conclusive) == ("Inconclusive", True, False), r.message
+
+
+def test_a_gate_over_its_limit_with_enough_requests_fails_without_rolling_back():
+    r = judge(ERR_GATE, {"canary_requests": 1000, "canary_matching": 8})
+    assert (r.verdict, r.conclusive) == ("Failed", False) and "not yet conclusively" in r.message
+
+
+def test_a_latency_check_reports_the_ratio_or_the_quantile():
+    ratio, absolute = LATENCY.checks
+    m = {"canary_quantile": 0.3, "canary_samples": 500, "stable_quantile": 0.25, "stable_samples": 500}
+    r = analysis.judge(ratio, Measurement(ratio.key, m), LATENCY, previous=None, stable_pods=True)
+    assert r.numbers["ratio"] == pytest.approx(1.2) and "quantile" not in r.numbers
+    r = analysis.judge(absolute, Measurement(absolute.key, m), LATENCY, previous=None, stable_pods=True)
+    assert r.numbers["quantile"] == pytest.approx(0.3) and "ratio" not in r.numbers
+
+
+def test_no_data_under_pass_says_so():
+    a = spec_with(noData="pass", breakers=[], gates=[{"name": "kv-fragmentation", "max": 0.25,
+                                                      "query": "max(graft_kv_cache_fragmentation_ratio)"}])
+    r = judge(a, {"value": None})
+    assert (r.verdict, r.message) == ("Successful", "kv-fragmentation: the query returned no data; noData: pass")
