@@ -282,3 +282,50 @@ def test_every_pod_record_ends_stable_and_pod_ratio_routing_sets_no_weight(spec,
     assert status.phase == ("Promoted" if how == "promote" else "RolledBack")
     assert {p.track for p in status.pods} == {"stable"}
     assert not [a for a in actions if isinstance(a, SetWeight)], "pod ratio has no weight to set"
+
+
+# before the start
+def test_a_permanent_problem_fails_a_rollout_that_never_started(spec):
+    from graft.rollout.observation import Problem
+    fleet = Fleet.of(spec, 2)
+    fleet.problem = Problem("DigestMismatch", "bundle digest sha256:aa != pinned sha256:bb", permanent=True)
+    status = fleet.tick(RolloutStatus(), 0)
+    assert (status.phase, status.reason) == ("Failed", "DigestMismatch")
+    assert [(e.reason, e.type) for e in fleet.events] == [("DigestMismatch", "Warning")] and fleet.posts == {}
+
+
+def test_the_start_deadline_counts_from_the_rollouts_creation(spec):
+    fleet = Fleet.of(spec, 0)
+    fleet.created_at = 1000.0
+    status = fleet.tick(RolloutStatus(), 1100)
+    assert status.phase == "Pending", "100 s after creation, the deadline is 2m"
+    status = fleet.tick(status, 1121)
+    assert (status.phase, status.reason) == ("Failed", "ProgressDeadlineExceeded")
+
+
+def test_a_pod_whose_revision_is_unknown_starts_stable(spec):
+    fleet = Fleet.of(spec, 3)
+    fleet.pods["pod-2"].unreachable = True
+    status = fleet.tick(RolloutStatus(), 0)
+    assert status.pod("pod-2").track == "stable" and status.pod("pod-0").track == "canary"
+    assert fleet.patched() == {"pod-0"}
+
+
+def test_a_pod_that_is_not_ready_gets_its_annotation_right_even_when_its_track_is(spec):
+    fleet = Fleet.of(spec, 3)
+    p = fleet.pods["pod-2"]
+    p.ready, p.track, p.patches = False, "stable", "kv-align@3.2.1"
+    fleet.tick(RolloutStatus(), 0)
+    assert (p.track, p.patches) == ("stable", "base")
+
+
+def test_a_refusal_turns_every_pod_stable_in_the_same_decision(spec):
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    status = fleet.tick(status, 10, healthy(spec))
+    assert status.canary_pods == 2
+    refused = {"pod-0": PodError("conflict", "409 another version is applied")}
+    d = decide(spec, status, fleet.observe(status, refused, None), 11)
+    assert (d.status.phase, d.status.reason) == ("RollingBack", "PatchConflict")
+    assert {p.track for p in d.status.pods} == {"stable"}
+    assert not [a for a in d.actions if isinstance(a, PatchPod)]
