@@ -329,3 +329,31 @@ def test_a_refusal_turns_every_pod_stable_in_the_same_decision(spec):
     assert (d.status.phase, d.status.reason) == ("RollingBack", "PatchConflict")
     assert {p.track for p in d.status.pods} == {"stable"}
     assert not [a for a in d.actions if isinstance(a, PatchPod)]
+
+
+def test_a_step_with_no_ready_pod_never_advances(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    for pod in fleet.pods.values():
+        pod.ready = False
+    status = fleet.tick(status, 10, healthy(spec))
+    assert status.step_index == 0 and status.reason == "NoPods"
+
+
+def test_a_clean_run_ends_the_error_count(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    for t in (5, 10):
+        status = fleet.tick(status, t, provider_down(spec))
+    assert status.analysis.error_runs == 2
+    status = fleet.tick(status, 15, no_data(spec))
+    assert status.analysis.error_runs == 0
+
+
+def test_a_rollout_paused_in_the_tick_of_a_run_says_it_is_paused(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.set_paused(True)
+    status = fleet.tick(status, 5, healthy(spec))
+    assert (status.phase, status.reason) == ("Paused", "Paused")
+    assert status.message == "step 1/3: weight 1%, 1 of 2 pods canary; paused"
