@@ -1,4 +1,4 @@
-"""`graft rollout status [-w] | pause | resume | promote [--full] | abort NAME | simulate -f FILE`, also
+"""`graft rollout status [-w] | pause | resume | promote [--full] | abort | retry NAME | simulate -f FILE`, also
 `kubectl graft ...`.
 
 Each verb changes one field of the PatchRollout and the operator does the rest: `pause`/`resume`
@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     promote.add_argument("--full", action="store_true", help="skip every remaining step and analysis")
     promote.set_defaults(run=_promote)
     verbs.add_parser("abort", parents=[common], help="roll back now").set_defaults(run=_abort)
+    verbs.add_parser("retry", parents=[common], help="start a RolledBack or Failed rollout again").set_defaults(
+        run=_retry)
     verbs.add_parser("simulate", help="run the rollout's decisions against a simulated fleet "
                                       "(graft rollout simulate -h)", add_help=False)
     return parser
@@ -148,6 +150,25 @@ def _abort(api, namespace, args, console) -> int:
         raise CliError(f"PatchRollout {namespace}/{args.name} is {phase}: nothing to abort")
     _annotate(api, namespace, args.name, "graft.dev/abort", "true")
     console.print(f"PatchRollout {namespace}/{args.name}: abort requested")
+    return 0
+
+
+def _retry(api, namespace, args, console) -> int:
+    """Start a RolledBack or Failed rollout again from its first step: its controls and status cleared."""
+    from kubernetes.client.exceptions import ApiException
+
+    phase = (_get(api, namespace, args.name).get("status") or {}).get("phase")
+    if phase not in ("RolledBack", "Failed"):
+        raise CliError(f"PatchRollout {namespace}/{args.name} is {phase or 'Pending'}: only a RolledBack or "
+                       "Failed rollout can be retried")
+    _patch(api, namespace, args.name, {"metadata": {"annotations": {"graft.dev/abort": None,
+                                                                    "graft.dev/promote": None}}})
+    try:
+        api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, args.name, {"status": None})
+    except ApiException as e:
+        raise CliError(f"cannot reset the status of PatchRollout {namespace}/{args.name}: {e.status} {e.reason}") \
+            from None
+    console.print(f"PatchRollout {namespace}/{args.name}: retrying from its first step (was {phase})")
     return 0
 
 

@@ -121,6 +121,12 @@ class Runtime:
 
     async def close(self) -> None:
         self.closed = True          # timers still firing during shutdown find nothing to do
+        for lock in list(self.locks.values()):      # let reconciliations in flight finish their calls
+            try:
+                await asyncio.wait_for(lock.acquire(), 10)
+                lock.release()
+            except TimeoutError:
+                pass
         await self._admin.aclose()
         for provider in self._providers.values():
             await provider.aclose()
