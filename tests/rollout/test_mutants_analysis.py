@@ -78,3 +78,66 @@ def test_no_data_under_pass_says_so():
                                                       "query": "max(graft_kv_cache_fragmentation_ratio)"}])
     r = judge(a, {"value": None})
     assert (r.verdict, r.message) == ("Successful", "kv-fragmentation: the query returned no data; noData: pass")
+
+
+DELTA_BREAKER = spec_with(breakers=[{"name": "error-rate-delta", "max": 0.001}], gates=[])
+
+
+def test_a_difference_breaker_only_ever_breaches_on_conclusive_evidence():
+    r = judge(DELTA_BREAKER, {"canary_requests": 300, "canary_errors": 1, "stable_requests": 3000,
+                              "stable_errors": 0})
+    assert r.verdict == "Successful" and r.message.endswith(": not shown above +0.1 pp")
+
+
+@pytest.mark.parametrize("values", [
+    {"canary_requests": 300, "canary_errors": 1, "stable_requests": 3000, "stable_errors": 0},     # too few
+    {"canary_requests": 4000, "canary_errors": 4, "stable_requests": 4000, "stable_errors": 2},    # not yet shown
+])
+def test_a_difference_gate_between_evidence_either_way_holds(values):
+    r = judge(DELTA, values)
+    assert (r.verdict, r.short, r.conclusive) == ("Inconclusive", True, False), r.message
+
+
+def test_a_difference_gate_over_its_limit_with_enough_requests_fails_without_rolling_back():
+    r = judge(DELTA, {"canary_requests": 4000, "canary_errors": 12, "stable_requests": 4000, "stable_errors": 4})
+    assert (r.verdict, r.conclusive) == ("Failed", False) and "not yet conclusively" in r.message
+
+
+def test_one_request_on_each_side_is_enough_to_compare():
+    r = judge(DELTA, {"canary_requests": 1, "canary_errors": 0, "stable_requests": 1, "stable_errors": 0})
+    assert "no canary requests" not in r.message and "no stable requests" not in r.message
+    assert r.numbers["canary_requests"] == 1 == r.numbers["stable_requests"]
+
+
+def test_a_latency_ratio_check_with_an_absolute_cap_breaches_either():
+    a = spec_with(breakers=[{"name": "ttft-p99", "maxRatio": 1.5, "max": 0.8, "window": "30s"}], gates=[])
+    r = judge(a, {"canary_quantile": 0.9, "canary_samples": 500, "stable_quantile": 0.8, "stable_samples": 500})
+    assert r.verdict == "Failed" and ": breaches <= 0.8s (breach 1/1)" in r.message
+
+
+def test_min_samples_sets_the_floor_of_a_quantile_and_of_a_custom_value():
+    a = spec_with(breakers=[{"name": "latency-p99", "max": 0.8, "minSamples": 50}], gates=[])
+    assert judge(a, {"canary_quantile": 0.9, "canary_samples": 60}).verdict == "Failed"
+    assert judge(a, {"canary_quantile": 0.9, "canary_samples": 40}).verdict == "Inconclusive"
+    c = spec_with(breakers=[], gates=[{"name": "kv", "max": 0.25, "minSamples": 100, "query": "max(up)"}])
+    short = judge(c, {"value": 0.1, "canary_requests": 50})
+    assert (short.verdict, short.short) == ("Inconclusive", True) and "fewer than minSamples 100" in short.message
+    assert judge(c, {"value": 0.1, "canary_requests": 150}).verdict == "Successful"
+
+
+def test_a_gate_lacking_traffic_holds_unless_told_a_later_step_will_gather_it():
+    a = spec_with(breakers=[{"name": "error-rate", "max": 0.005}], gates=[{"name": "error-rate-delta", "max": 0.001}])
+    breaker, gate = a.checks
+    ms = [Measurement(breaker.key, {"canary_requests": 300, "canary_matching": 0}),
+          Measurement(gate.key, {"canary_requests": 300, "canary_errors": 0, "stable_requests": 3000,
+                                 "stable_errors": 0})]
+    assert analysis.run(a, ms, [], stable_pods=True)[0] == "Inconclusive"
+    assert analysis.run(a, ms, [], stable_pods=True, final_evidence=False)[0] == "Successful"
+    results = analysis.run(a, ms, [], stable_pods=True)[1]
+    assert analysis.verdict_of(a, results) == "Inconclusive"
+    assert analysis.verdict_of(a, results, final_evidence=False) == "Successful"
+
+
+def test_no_data_under_hold_says_so():
+    r = judge(FRAGMENTATION, {"value": None})
+    assert (r.verdict, r.message) == ("Inconclusive", "kv-fragmentation: the query returned no data; noData: hold")
