@@ -84,3 +84,42 @@ def test_a_query_may_be_as_long_as_the_limit_and_no_longer():
 def test_routing_is_pod_ratio_unless_it_says_otherwise():
     assert parse_spec(MINIMAL).traffic_routing.kind == "podRatio"
     assert parse_spec({**MINIMAL, "trafficRouting": {"podRatio": {}}}).traffic_routing.kind == "podRatio"
+
+
+def test_a_boolean_is_no_integer():
+    got = errors(parse_spec, {**MINIMAL, "steps": [{"weight": True}, {"weight": 100}]})
+    assert list(got) == ["spec.steps[0].weight"]
+
+
+def test_a_rollout_may_have_twenty_checks_of_a_role_and_no_more():
+    def with_breakers(n):
+        return {**MINIMAL, "analysis": {"breakers": [{"name": f"c{i}", "max": 1, "query": "max(up)"} for i in range(n)]}}
+    assert len(parse_spec(with_breakers(20)).analysis.breakers) == 20
+    assert errors(parse_spec, with_breakers(21)) == {"spec.analysis.breakers": "must have at most 20 items"}
+
+
+def test_headers_that_are_not_objects_are_refused_by_index():
+    spec = {**MINIMAL, "analysis": {"prometheus": {"address": "http://p:9090", "headers": ["X-Org: llm"]}}}
+    got = errors(parse_spec, spec)
+    assert "spec.analysis.prometheus.headers[0]" in got
+    assert set(got) <= {"spec.analysis.prometheus.headers[0]", "spec.analysis.prometheus.headers[0].name",
+                        "spec.analysis.prometheus.headers[0].value"}
+
+
+def test_at_most_eight_templates():
+    refs = [{"name": f"t{i}"} for i in range(9)]
+    got = errors(parse_spec, {**MINIMAL, "analysis": {"templates": refs}})
+    assert got["spec.analysis.templates"] == "must be a list of at most 8 template references"
+
+
+def test_only_a_custom_check_may_have_a_negative_maximum():
+    custom = {**MINIMAL, "analysis": {"breakers": [{"name": "drift", "max": -1, "query": "min(up) - 2"}]}}
+    assert parse_spec(custom).analysis.breakers[0].max == -1
+    built_in = {**MINIMAL, "analysis": {"breakers": [{"name": "error-rate", "max": -1}]}}
+    assert errors(parse_spec, built_in) == {"spec.analysis.breakers[0].max": "must be at least 0"}
+
+
+@pytest.mark.parametrize("name,needs", [("ttft-p99", "max, min or maxRatio"), ("error-rate", "max, min")])
+def test_a_check_without_a_threshold_says_which_it_may_have(name, needs):
+    got = errors(parse_spec, {**MINIMAL, "analysis": {"breakers": [{"name": name}]}})
+    assert got == {"spec.analysis.breakers[0]": f"needs a threshold: {needs}"}
