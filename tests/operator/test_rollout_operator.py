@@ -62,10 +62,9 @@ async def test_failing_breaker_rolls_back(cluster, namespace, fleet, operator, p
     assert sorted(m[m.index("(breach"):] for m in failed) == ["(breach 1/2)", "(breach 2/2)"]
 
 
-async def test_no_traffic_holds_the_last_step_with_stable_pods_then_pauses(cluster, namespace, fleet, operator,
-                                                                           prometheus):
-    """No requests at all: nothing is gathered at 1%, so the gate holds the 50% step (the last with
-    stable pods) until inconclusiveLimit runs past its pause, then the rollout pauses for a person."""
+async def test_no_traffic_holds_the_first_step_then_pauses(cluster, namespace, fleet, operator, prometheus):
+    """No requests at all: nothing is judged on data, so not even the 1% step passes (a step never
+    advances on no evidence); inconclusiveLimit runs past its pause, then the rollout pauses for a person."""
     engines = await fleet(2, rps=0.0)
     await operator()
     body = manifest(prometheus)
@@ -75,9 +74,9 @@ async def test_no_traffic_holds_the_last_step_with_stable_pods_then_pauses(clust
     async def held():
         obj = await get_rollout(cluster.kube, namespace, "kv-align")
         s = obj.get("status") or {}
-        return obj if s.get("stepIndex") == 1 and (s.get("analysis") or {}).get("verdict") == "Inconclusive" else None
+        return obj if s.get("stepIndex") == 0 and (s.get("analysis") or {}).get("verdict") == "Inconclusive" else None
 
-    obj = await until(held, 30, what="an Inconclusive analysis at step 2")
+    obj = await until(held, 30, what="an Inconclusive analysis at step 1")
     results = {(r["role"], r["name"]): r for r in obj["status"]["analysis"]["results"]}
     gate = results[("gate", "error-rate-delta")]
     assert gate["verdict"] == "Inconclusive" and gate["short"] and "no canary requests" in gate["message"]
@@ -86,7 +85,7 @@ async def test_no_traffic_holds_the_last_step_with_stable_pods_then_pauses(clust
     await until(lambda: events_with(cluster, namespace, "AnalysisInconclusive"), 10)
     obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Paused"), 30, what="an analysis pause")
     assert obj["status"]["reason"] == "InconclusiveLimit" and obj["spec"]["paused"] is True
-    assert "inconclusiveLimit 4" in obj["status"]["message"]
+    assert "inconclusiveLimit 4" in obj["status"]["message"] and obj["status"]["stepIndex"] == 0
     await until(lambda: events_with(cluster, namespace, "InconclusiveLimit"), 10)
     assert sum(e.revision != "base" for e in engines) == 1, "held, not rolled back: a person decides"
 
