@@ -141,3 +141,32 @@ def test_a_gate_lacking_traffic_holds_unless_told_a_later_step_will_gather_it():
 def test_no_data_under_hold_says_so():
     r = judge(FRAGMENTATION, {"value": None})
     assert (r.verdict, r.message) == ("Inconclusive", "kv-fragmentation: the query returned no data; noData: hold")
+
+
+def test_a_rate_exactly_at_its_limit_is_not_over_it():
+    r = judge(ERR_GATE, {"canary_requests": 1000, "canary_matching": 5})          # 0.5% of a 0.5% limit
+    assert (r.verdict, r.short) == ("Inconclusive", True), r.message
+
+
+def test_exactly_the_requests_a_gate_needs_are_enough_to_fail_it():
+    from graft.rollout import stats
+    need = stats.min_samples(0.005, 0.95)
+    r = judge(ERR_GATE, {"canary_requests": need, "canary_matching": 4})           # 0.67% of 598
+    assert (r.verdict, r.conclusive) == ("Failed", False), r.message
+    need = stats.min_samples(0.001, 0.95)
+    r = judge(DELTA, {"canary_requests": need, "canary_errors": 9, "stable_requests": need, "stable_errors": 3})
+    assert (r.verdict, r.conclusive) == ("Failed", False), r.message
+
+
+def test_a_p99_on_exactly_200_samples_a_side_is_judged():
+    ratio = LATENCY.checks[0]
+    m = {"canary_quantile": 0.3, "canary_samples": 200, "stable_quantile": 0.25, "stable_samples": 200}
+    r = analysis.judge(ratio, Measurement(ratio.key, m), LATENCY, previous=None, stable_pods=True)
+    assert r.verdict == "Successful", r.message
+
+
+def test_no_data_under_fail_says_so_for_a_gate():
+    a = spec_with(noData="fail", breakers=[], gates=[{"name": "kv-fragmentation", "max": 0.25,
+                                                      "query": "max(graft_kv_cache_fragmentation_ratio)"}])
+    r = judge(a, {"value": None})
+    assert (r.verdict, r.message) == ("Failed", "kv-fragmentation: the query returned no data; noData: fail")

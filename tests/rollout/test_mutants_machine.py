@@ -357,3 +357,12 @@ def test_a_rollout_paused_in_the_tick_of_a_run_says_it_is_paused(spec):
     status = fleet.tick(status, 5, healthy(spec))
     assert (status.phase, status.reason) == ("Paused", "Paused")
     assert status.message == "step 1/3: weight 1%, 1 of 2 pods canary; paused"
+
+
+def test_a_pod_outside_the_rollouts_hands_keeps_the_rollouts_patch_in_its_annotation():
+    # held out of the Service by its readiness gate: not Ready, so the fleet controller labels it;
+    # the rollout decides about its own patch, so the annotation keeps what the engine runs of it
+    held = pod("p", "kv-align@3.2.1", patches="base", ready=False, patched=False)
+    plan = converge([SYNC], [held], rollout_patch="kv-align")
+    assert plan.actions[0] == MarkPod("p", "stable", "kv-align@3.2.1,sync-free@3.2.1")
+    assert ApplyPatch("p", SYNC) in plan.actions and not [a for a in plan.actions if isinstance(a, RevertPatch)]
