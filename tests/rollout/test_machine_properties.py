@@ -16,7 +16,7 @@ carries error-rate-delta, which may hold it but is not needed to keep it safe.
 """
 import math
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from scipy.stats import binom
 
@@ -33,12 +33,13 @@ FINAL = ("Promoted", "RolledBack", "Failed")
 
 def breaches(errors: int, requests: int) -> bool:
     """Oracle: this many errors would be rarer than 1 - rollbackConfidence at the error-rate limit."""
-    return requests > 0 and errors > 0 and binom.sf(errors - 1, requests, ERROR_MAX) < 1 - ROLLBACK_CONFIDENCE
+    # a Python bool: scipy answers numpy booleans, and the caller tells a clean run by `is False`
+    return bool(requests > 0 and errors > 0 and binom.sf(errors - 1, requests, ERROR_MAX) < 1 - ROLLBACK_CONFIDENCE)
 
 
 def gate_passes(failed: int, requests: int) -> bool:
     """Oracle: so few failures would be rarer than 1 - confidence at the success-rate limit."""
-    return requests > 0 and binom.cdf(failed, requests, 1 - SUCCESS_MIN) <= 1 - CONFIDENCE
+    return bool(requests > 0 and binom.cdf(failed, requests, 1 - SUCCESS_MIN) <= 1 - CONFIDENCE)
 
 
 def first(pred, n: int) -> int:
@@ -146,8 +147,33 @@ def oracle(r) -> tuple[dict[str, bool | None], bool]:
     }, gate_passes(gk, gn)
 
 
+def _measured(errors: tuple[int, int], good: bool) -> dict:
+    if good:
+        return {"kind": "measured", "errors": errors, "latency": (1000, 0.5), "cpu": 0.3, "success": (20000, 0),
+                "delta": (100000, 0, 100000, 0)}
+    return {"kind": "measured", "errors": errors, "latency": (0, None), "cpu": None, "success": (0, 0),
+            "delta": (100000, 0, 100000, 0)}
+
+
+# breach, clean, breach of a breaker with consecutive 2: the clean run in between resets the count
+# (found when the oracle's verdicts were numpy booleans, which `is False` never matches)
+BREACH_CLEAN_BREACH = (
+    (make_spec(steps=[{"weight": 100, "pause": "0s"}], analysis={
+        "interval": "5s", "noData": "hold",
+        "breakers": [{"name": "error-rate", "max": ERROR_MAX, "consecutive": 2},
+                     {"name": "latency-p99", "max": LATENCY_MAX, "consecutive": 1},
+                     {"name": "cpu", "max": CPU_MAX, "consecutive": 1}],
+        "gates": [{"name": "success-rate", "min": SUCCESS_MIN}, {"name": "error-rate-delta", "max": 0.001}]}), False),
+    [(True, None)],
+    [(1.0, _measured((5000, 0), True), None, 0), (5.0, _measured((40, 4), False), None, 0),
+     (4.0, _measured((5000, 0), True), None, 0), (1.0, _measured((40, 3), False), None, 0),
+     (4.0, _measured((5000, 0), True), None, 0), (1.0, _measured((40, 4), False), None, 0)],
+)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs(), pods, st.lists(tick, min_size=1, max_size=80))
+@example(*BREACH_CLEAN_BREACH)
 def test_no_sequence_of_observations_promotes_past_a_failing_check(drawn, pod_setup, ticks):
     spec, gateway = drawn
     limits = {c.name: c.consecutive for c in spec.analysis.breakers}
