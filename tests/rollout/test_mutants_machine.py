@@ -366,3 +366,73 @@ def test_a_pod_outside_the_rollouts_hands_keeps_the_rollouts_patch_in_its_annota
     plan = converge([SYNC], [held], rollout_patch="kv-align")
     assert plan.actions[0] == MarkPod("p", "stable", "kv-align@3.2.1,sync-free@3.2.1")
     assert ApplyPatch("p", SYNC) in plan.actions and not [a for a in plan.actions if isinstance(a, RevertPatch)]
+
+
+def test_the_other_version_an_upgrade_replaces_is_of_the_same_patch():
+    from graft.rollout.machine import same_patch
+    assert same_patch("sync-free@3.2.1", "kv-align@3.2.2") is None
+    assert same_patch("kv-align@3.2.1,sync-free@3.2.1", "kv-align@3.2.2") == "kv-align@3.2.1"
+    assert same_patch("kv-align@3.2.2", "kv-align@3.2.2") is None
+
+
+def test_a_breach_short_of_its_limit_is_an_event_whatever_the_check(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    status = fleet.tick(status, 5, breaching(spec, "tpot-p99"))         # a latency ratio: breach 1/3
+    assert status.phase == "Progressing"
+    (event,) = [e for e in fleet.events if e.reason == "AnalysisFailed"]
+    assert event.message.startswith("breaker tpot-p99: ") and event.message.endswith("(breach 1/3)")
+
+
+def test_holding_runs_in_a_row_are_said_once(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    for t in (5, 10, 15):
+        status = fleet.tick(status, t, no_data(spec))
+    assert fleet.reasons().count("AnalysisInconclusive") == 1
+
+
+def test_a_promoted_rollout_is_at_weight_100(spec):
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.promote = "full"
+    status = fleet.tick(status, 1)
+    assert (status.phase, status.weight) == ("Promoted", 100)
+
+
+def test_a_canary_that_is_not_ready_keeps_its_label_and_is_not_relabelled_again(spec):
+    from graft.rollout.decision import LabelPod
+    fleet = Fleet.of(spec, 3)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.pods["pod-0"].ready = False
+    status = fleet.tick(status, 1)
+    assert (fleet.pods["pod-0"].track, fleet.pods["pod-0"].patches) == ("canary", "kv-align@3.2.1")
+    d = decide(spec, status, fleet.observe(status, {}, None), 2)
+    assert not [a for a in d.actions if isinstance(a, LabelPod) and a.pod == "pod-0"]
+
+
+def test_a_verify_failure_turns_every_pod_stable_in_the_same_decision(spec):
+    fleet = Fleet.of(spec, 4)
+    status = fleet.tick(RolloutStatus(), 0)
+    refused = {"pod-0": PodError("verify-failed", "failed its self-check and was reverted")}
+    d = decide(spec, status, fleet.observe(status, refused, None), 1)
+    assert (d.status.phase, d.status.reason) == ("RollingBack", "PatchVerifyFailed")
+    assert {p.track for p in d.status.pods} == {"stable"}
+
+
+def test_promote_step_at_the_last_step_starts_no_step_again():
+    spec = make_spec(steps=[{"weight": 50, "pause": "1h"}, {"weight": 100, "pause": "1h"}])
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    fleet.promote = "step"
+    status = fleet.tick(status, 1)
+    fleet.promote = "step"
+    status = fleet.tick(status, 2)
+    assert status.phase == "Promoted"
+    assert [e.message.split(":")[0] for e in fleet.events if e.reason == "StepStarted"] == ["step 1/2", "step 2/2"]
+
+
+def test_an_upgrading_pods_annotation_keeps_the_version_it_runs():
+    held = pod("p", "kv-align@3.2.2", patches="kv-align@3.2.1", ready=False, patched=False)
+    plan = converge([KV], [held], rollout_patch="kv-align")
+    assert plan.actions[0] == MarkPod("p", "stable", "kv-align@3.2.2")
