@@ -436,3 +436,8 @@ def test_an_upgrading_pods_annotation_keeps_the_version_it_runs():
     held = pod("p", "kv-align@3.2.2", patches="kv-align@3.2.1", ready=False, patched=False)
     plan = converge([KV], [held], rollout_patch="kv-align")
     assert plan.actions[0] == MarkPod("p", "stable", "kv-align@3.2.2")
+
+
+@pytest.mark.parametrize("pods,weight,canaries", [(200, 51, 102), (1000, 11, 110), (101, 99, 100)])
+def test_canary_counts_of_large_fleets_are_exact_percentages(pods, weight, canaries):
+    assert canary_target(pods, weight) == canaries
