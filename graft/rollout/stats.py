@@ -20,6 +20,8 @@ from scipy import stats as _st
 
 
 def _alpha(confidence: float) -> float:
+    """1 - confidence, refusing a confidence no one-sided bound means anything at: below one half
+    the "upper" bound falls under the estimate, and at 1 (or NaN) there is no bound at all."""
     if not 0.5 <= confidence < 1:
         raise ValueError(f"confidence must be in [0.5, 1), not {confidence}")
     return 1.0 - confidence
@@ -27,20 +29,20 @@ def _alpha(confidence: float) -> float:
 
 def rate_lower(k: float, n: float, confidence: float) -> float:
     """One-sided lower bound of a binomial proportion (Clopper-Pearson): the rate is at least this."""
+    alpha = _alpha(confidence)
     k, n = _counts(k, n)
     if k == 0 or n == 0:
         return 0.0
-    return float(_st.beta.ppf(_alpha(confidence), k, n - k + 1))
+    return float(_st.beta.ppf(alpha, k, n - k + 1))
 
 
 def rate_upper(k: float, n: float, confidence: float) -> float:
     """One-sided upper bound of a binomial proportion (Clopper-Pearson): the rate is at most this."""
+    alpha = _alpha(confidence)
     k, n = _counts(k, n)
-    if n == 0:
+    if n == 0 or k >= n:
         return 1.0
-    if k >= n:
-        return 1.0
-    return float(_st.beta.ppf(confidence, k + 1, n - k))
+    return float(_st.beta.ppf(1.0 - alpha, k + 1, n - k))
 
 
 def min_samples(limit: float, confidence: float) -> int:
@@ -49,11 +51,12 @@ def min_samples(limit: float, confidence: float) -> int:
     With zero errors in n requests the exact upper bound is 1 - alpha^(1/n); it reaches `limit` at
     n = ln(alpha) / ln(1 - limit) (about 3 / limit at 95%: the "rule of three").
     """
+    alpha = _alpha(confidence)
     if limit <= 0:
         return math.inf  # type: ignore[return-value]
     if limit >= 1:
         return 1
-    return math.ceil(math.log(_alpha(confidence)) / math.log1p(-limit))
+    return math.ceil(math.log(alpha) / math.log1p(-limit))
 
 
 def _wilson(k: float, n: float, z: float) -> tuple[float, float]:

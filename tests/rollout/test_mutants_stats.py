@@ -52,12 +52,22 @@ def test_a_side_with_no_requests_knows_nothing():
     assert d.p_worse == 1.0 and math.isnan(d.canary_rate)
 
 
-@pytest.mark.parametrize("confidence", [0.49, 1.0, 1.5])
-def test_confidence_outside_its_range_is_refused(confidence):
-    with pytest.raises(ValueError, match=r"confidence must be in \[0.5, 1\)"):
-        stats.rate_lower(1, 10, confidence)
-    with pytest.raises(ValueError, match=r"confidence must be in"):
-        stats.difference(1, 10, 0, 10, confidence)
+@pytest.mark.parametrize("confidence", [0.49, 0.0, -0.5, 1.0, 1.5, math.nan])
+@pytest.mark.parametrize("bound", [
+    lambda c: stats.rate_lower(1, 10, c),
+    lambda c: stats.rate_lower(0, 0, c),          # even where the answer needs no confidence
+    lambda c: stats.rate_upper(1, 10, c),
+    lambda c: stats.rate_upper(10, 10, c),
+    lambda c: stats.rate_upper(0, 0, c),
+    lambda c: stats.min_samples(0.01, c),
+    lambda c: stats.min_samples(0.0, c),
+    lambda c: stats.min_samples(1.0, c),
+    lambda c: stats.difference(1, 10, 0, 10, c),
+], ids=["rate_lower", "rate_lower-no-data", "rate_upper", "rate_upper-all-errors", "rate_upper-no-data",
+        "min_samples", "min_samples-zero-limit", "min_samples-whole-limit", "difference"])
+def test_confidence_outside_its_range_is_refused(bound, confidence):
+    with pytest.raises(ValueError, match=r"confidence must be in \[0.5, 1\), not "):
+        bound(confidence)
 
 
 def test_the_edges_of_the_rate_bounds():
