@@ -26,7 +26,8 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from graft.engine.patches.base import NAME_RE, VERSION_RE, PatchError
+from graft.api import NAME_RE, VERSION_RE
+from graft.engine.patches.base import PatchError
 from graft.engine.patches.manager import PatchManager
 
 log = logging.getLogger(__name__)

@@ -6,10 +6,10 @@ is sent to an engine (the engine checks again). A signature, when the ConfigMap 
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 from typing import Any
 
+from graft.api import digest_of
 from graft.operator.kube import Kube, configmap_path
 from graft.rollout.observation import Problem
 from graft.rollout.spec import PatchSpec
@@ -19,10 +19,6 @@ class BundleError(Exception):
     def __init__(self, problem: Problem):
         super().__init__(problem.message)
         self.problem = problem
-
-
-def digest_of(source: str) -> str:
-    return "sha256:" + hashlib.sha256(source.encode("utf-8")).hexdigest()
 
 
 def verify(source: str, pinned: str, where: str) -> None:

@@ -24,7 +24,7 @@ from graft.operator.kube import Kube, fleet_path, pods_path, rollouts_path
 from graft.operator.runtime import Runtime, TokenError
 from graft.rollout.fleet import (PATCHED_CONDITION, ApplyPatch, FleetPod, MarkPod, RevertPatch, SetPatched,
                                  adopt, converge, desired_revision, with_promoted, without)
-from graft.rollout.revision import patches_of
+from graft.api import patches_of
 from graft.rollout.spec import (FleetSpec, LabelSelector, PatchSpec, SpecError, parse_fleet_spec,
                                 parse_selector, patch_to_dict)
 from graft.rollout.status import FINAL, PENDING, from_time, to_time

@@ -26,7 +26,7 @@ from graft.rollout.decision import (Action, ClearPromote, Event, LabelPod, Patch
 from graft.rollout.machine import QUEUED, analysis_due, decide, known_revision
 from graft.rollout.observation import (UNREACHABLE, Controls, Measurement, Observation, PodError,
                                        PodObservation, Problem)
-from graft.rollout.revision import patches_of
+from graft.api import patches_of
 from graft.rollout.spec import (REVERT, PatchSource, PatchSpec, RolloutSpec, SpecError, parse_fleet_spec, parse_spec,
                                 template_refs)
 from graft.rollout.status import (FAILED, FINAL, PAUSED, PENDING, PROGRESSING, ROLLING_BACK, RolloutStatus,

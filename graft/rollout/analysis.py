@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import math
 
+from graft.api import Verdict
 from graft.rollout import stats
 from graft.rollout.observation import Measurement
 from graft.rollout.queries import QUANTILES, Context, Series, plan
 from graft.rollout.spec import BREAKER, GATE, Analysis, Check, RolloutSpec
 from graft.rollout.status import CheckResult, RolloutStatus
 
-SUCCESSFUL, FAILED, INCONCLUSIVE, ERROR, SKIPPED = "Successful", "Failed", "Inconclusive", "Error", "Skipped"
+SUCCESSFUL, FAILED, INCONCLUSIVE = Verdict.SUCCESSFUL.value, Verdict.FAILED.value, Verdict.INCONCLUSIVE.value
+ERROR, SKIPPED = Verdict.ERROR.value, Verdict.SKIPPED.value
 
 
 def window_of(check: Check, spec: RolloutSpec, status: RolloutStatus, now: float) -> float:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graft.rollout.revision import patch_ref, patches_of, revision_of
+from graft.api import patch_ref, patches_of, revision_of
 from graft.rollout.spec import PatchSpec
 
 PATCHED_CONDITION = "graft.dev/patched"

@@ -25,7 +25,7 @@ from graft.rollout.decision import (ClearPromote, Decision, Event, LabelPod, Pat
                                     RecordPromotion, SetWeight, UnpatchPod)
 from graft.rollout.durations import format_duration
 from graft.rollout.observation import PERMANENT_ERRORS, VERIFY_FAILED, Observation, PodObservation
-from graft.rollout.revision import has_patch, patches_of, with_patch, without_patch
+from graft.api import has_patch, patches_of, with_patch, without_patch
 from graft.rollout.spec import REVERT, RolloutSpec
 from graft.rollout.status import (CANARY, FAILED, FINAL, PAUSED, PENDING, PROGRESSING, PROMOTED,
                                   ROLLED_BACK, ROLLING_BACK, STABLE, PodRecord, RolloutStatus)

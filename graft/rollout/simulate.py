@@ -35,7 +35,7 @@ from graft.rollout.decision import ClearPromote, LabelPod, PatchPod, PauseRollou
 from graft.rollout.machine import analysis_due, decide, known_revision
 from graft.rollout.observation import Controls, Measurement, Observation, PodObservation
 from graft.rollout.queries import CANARY, Series
-from graft.rollout.revision import BASE, has_patch, with_patch, without_patch
+from graft.api import BASE, has_patch, with_patch, without_patch
 from graft.rollout.spec import RolloutSpec
 from graft.rollout.status import FINAL, PAUSED, PROMOTED, RolloutStatus
 

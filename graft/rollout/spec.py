@@ -16,7 +16,7 @@ from typing import Any
 
 from graft.rollout import queries
 from graft.rollout.durations import DURATION_PATTERN, parse_duration
-from graft.rollout.revision import patch_ref
+from graft.api import patch_ref
 
 PATCH_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 PATCH_VERSION_PATTERN = r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$"

@@ -10,11 +10,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-PENDING, PROGRESSING, PAUSED = "Pending", "Progressing", "Paused"
-PROMOTED, ROLLING_BACK, ROLLED_BACK, FAILED = "Promoted", "RollingBack", "RolledBack", "Failed"
-PHASES = (PENDING, PROGRESSING, PAUSED, PROMOTED, ROLLING_BACK, ROLLED_BACK, FAILED)
-FINAL = (PROMOTED, ROLLED_BACK, FAILED)
-CANARY, STABLE = "canary", "stable"
+from graft.api import Phase, Track
+
+# plain strings, as the object stores them (YAML and JSON writers take no enum)
+PENDING, PROGRESSING, PAUSED = Phase.PENDING.value, Phase.PROGRESSING.value, Phase.PAUSED.value
+PROMOTED, ROLLING_BACK = Phase.PROMOTED.value, Phase.ROLLING_BACK.value
+ROLLED_BACK, FAILED = Phase.ROLLED_BACK.value, Phase.FAILED.value
+PHASES = tuple(p.value for p in Phase)
+FINAL = tuple(p.value for p in Phase if p.final)
+CANARY, STABLE = Track.CANARY.value, Track.STABLE.value
 
 
 def to_time(t: float | None) -> str | None:

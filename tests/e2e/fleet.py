@@ -28,7 +28,7 @@ from graft.devcluster.traffic import Outcome, Router, Traffic, TrafficStats
 from graft.operator.kube import fleet_path
 from graft.operator.pods import PATCHES_ANNOTATION, TRACK_LABEL, admin_address, is_ready
 from graft.rollout.queries import CANARY, Context, count_query
-from graft.rollout.revision import BASE, patches_of
+from graft.api import BASE, patches_of
 from graft.rollout.status import FINAL
 
 T = TypeVar("T")

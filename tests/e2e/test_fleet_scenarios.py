@@ -31,7 +31,7 @@ import pytest_asyncio
 
 from graft.operator.pods import is_ready
 from graft.rollout.fleet import PATCHED_CONDITION
-from graft.rollout.revision import BASE, patches_of
+from graft.api import BASE, patches_of
 from tests.e2e.fleet import ClientLoad, Fleet, Recorder
 from tests.e2e.fleet_support import (DEPLOYMENT, FLEET, PODS, GateWatch, condition, converged, create_patch_fleet,
                                      fleet_refs, gate_open, kubectl, marks, open_gated_fleet, patch_fleet,

@@ -5,7 +5,8 @@ import httpx
 import pytest
 
 from graft.operator.admin import AdminClient, AdminError
-from graft.operator.bundles import BundleError, digest_of, load_source
+from graft.api import digest_of
+from graft.operator.bundles import BundleError, load_source
 from graft.operator.kube import Kube
 from graft.operator.pods import admin_address, is_ready, observe_pod
 from graft.operator.routers import RouteError

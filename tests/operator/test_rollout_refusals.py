@@ -3,7 +3,7 @@ import base64
 
 import pytest
 
-from graft.operator.bundles import digest_of
+from graft.api import digest_of
 from graft.operator.kube import KubeError, rollout_path
 
 from operator_cluster import create, events_with, get_rollout, manifest, phase_is, until

@@ -8,7 +8,7 @@ from graft.rollout.decision import (ClearPromote, Decision, LabelPod, PatchPod, 
                                     UnpatchPod)
 from graft.rollout.machine import decide, known_revision
 from graft.rollout.observation import Controls, Measurement, Observation, PodError, PodObservation, Problem
-from graft.rollout.revision import has_patch, with_patch, without_patch
+from graft.api import has_patch, with_patch, without_patch
 from graft.rollout.spec import RolloutSpec, parse_spec
 from graft.rollout.status import RolloutStatus
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from graft.rollout.fleet import (ApplyPatch, FleetPod, MarkPod, RevertPatch, SetPatched, converge,
                                  desired_revision, with_promoted)
-from graft.rollout.revision import BASE, has_patch, patches_of, revision_of
+from graft.api import BASE, has_patch, patches_of, revision_of
 from graft.rollout.spec import PatchSource, PatchSpec
 from graft.rollout.status import FINAL, RolloutStatus
 from tests.rollout.rollout_fleet import Fleet, healthy, make_spec

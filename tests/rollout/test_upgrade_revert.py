@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from graft.rollout.decision import PatchPod, UnpatchPod
-from graft.rollout.revision import with_patch, without_patch
+from graft.api import with_patch, without_patch
 from graft.rollout.status import FINAL, RolloutStatus
 from tests.rollout.rollout_fleet import Fleet, breaching, healthy, make_spec
 

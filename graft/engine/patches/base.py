@@ -1,19 +1,16 @@
 """What a hot patch is: a named, versioned set of slot replacements with its own checks."""
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from graft.api import NAME_RE, VERSION_RE, parse_revision
 from graft.engine.patches.slots import SLOT_NAMES
 
 if TYPE_CHECKING:
     from graft.engine.engine import LLMEngine
 
-# Patterns for `re.fullmatch` only: `re.match` with `$` would accept a trailing newline.
-NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
-VERSION_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
 
 
 class PatchError(Exception):
@@ -68,17 +65,4 @@ class Patch:
 
 def parse_patch_list(text: str) -> list[tuple[str, str]]:
     """`kv-align@3.2.1,sync-free@3.2.1` -> [("kv-align", "3.2.1"), ("sync-free", "3.2.1")]; "" or "base" -> []."""
-    out = []
-    for item in (p.strip() for p in text.split(",")):
-        if not item or item == "base":
-            continue
-        name, sep, version = item.partition("@")
-        if not sep or not NAME_RE.fullmatch(name) or not VERSION_RE.fullmatch(version):
-            raise ValueError(f"{item!r} is not of the form name@version")
-        out.append((name, version))
-    return out
-
-
-def revision_of(ids: list[str]) -> str:
-    """The revision label of an engine: its applied patches, sorted, comma-joined; `base` when none."""
-    return ",".join(sorted(ids)) or "base"
+    return [(ref.name, ref.version) for ref in parse_revision(text)]

@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import base64
 import functools
-import hashlib
 import hmac
 import json
-import re
 import sys
 import types
 from collections.abc import Callable, Mapping
@@ -28,15 +26,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from graft.engine.patches.base import NAME_RE, VERSION_RE, Patch, PatchError
+from graft.api import DIGEST_PREFIX, DIGEST_RE, NAME_RE, VERSION_RE, digest_of
+from graft.engine.patches.base import Patch, PatchError
 
-DIGEST_PREFIX = "sha256:"
-DIGEST_RE = re.compile(r"sha256:[0-9a-fA-F]{64}")   # for re.fullmatch
 SIGNATURE_CONTEXT = "graft-bundle-signature/v1"
-
-
-def digest_of(source: str) -> str:
-    return DIGEST_PREFIX + hashlib.sha256(source.encode("utf-8")).hexdigest()
 
 
 def signed_message(name: str, version: str, digest: str) -> bytes:

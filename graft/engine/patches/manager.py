@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from graft.engine.patches import registry
-from graft.engine.patches.base import Patch, PatchError, parse_patch_list, revision_of
+from graft.api import revision_of
+from graft.engine.patches.base import Patch, PatchError, parse_patch_list
 from graft.engine.patches.bundle import BundleVerifier, describe
 from graft.engine.patches.loading import load_checked, run_guarded
 from graft.engine.patches.slots import SLOT_NAMES
