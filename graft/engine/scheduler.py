@@ -15,7 +15,7 @@ when readmitted it prefills prompt and output again (mostly from the prefix cach
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -24,6 +24,7 @@ from graft.engine.config import EngineConfig
 from graft.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 AGEING_SECONDS = 10.0  # a waiting request gains one priority level per this many seconds
+TENANT_MEMORY = 4096   # tenants whose last admission the scheduler remembers
 
 Policy = Callable[[list[Sequence], float], list[Sequence]]
 
@@ -74,7 +75,11 @@ def default_policy(waiting: list[Sequence], now: float,
     The effective priority is `seq.priority` minus one level per `ageing_seconds` waited (`now` on
     the clock of `seq.arrival`), so a low-priority request behind a stream of urgent ones is still
     admitted eventually. Among equal effective priorities each tenant's requests keep their arrival
-    order and tenants take turns, so one tenant's burst cannot hold the others back.
+    order and tenants take turns, so one tenant's burst cannot hold the others back. A turn goes
+    first to the tenant admitted least recently (`seq.tenant_turn`, which the scheduler keeps), so
+    the turns carry over from one call to the next: when requests are admitted one at a time (a
+    full batch, a full cache), a burst still alternates with the other tenants instead of being
+    served in arrival order.
     """
     def effective(seq: Sequence) -> int:
         return seq.priority - int(max(0.0, now - seq.arrival) // ageing_seconds)
@@ -86,7 +91,7 @@ def default_policy(waiting: list[Sequence], now: float,
         group = (effective(seq), seq.tenant)
         rank = turn.get(group, 0)
         turn[group] = rank + 1
-        keys[seq.seq_id] = (group[0], rank, seq.arrival, seq.seq_id)
+        keys[seq.seq_id] = (group[0], rank, seq.tenant_turn, seq.arrival, seq.seq_id)
     return sorted(ordered, key=lambda s: keys[s.seq_id])
 
 
@@ -107,6 +112,10 @@ class Scheduler:
         self.num_preemptions = 0
         self._live: dict[int, Sequence] = {}
         self._finish_times: deque[float] = deque(maxlen=32)
+        # the fairness memory: tenant -> admission count at its last admission, least recent
+        # first; forgetting the least recent one changes no order (0 sorts first as well)
+        self._admissions = 0
+        self._tenant_turns: OrderedDict[str, int] = OrderedDict()
 
     @property
     def num_running(self) -> int:
@@ -170,7 +179,10 @@ class Scheduler:
                 and batch.num_tokens < self.config.max_num_batched_tokens)
         # admitting right after a preemption would only thrash the cache
         if room and (not batch.preempted or not batch.num_seqs):
-            self._admit(policy(list(self.waiting), now), batch)
+            waiting = list(self.waiting)
+            for seq in waiting:
+                seq.tenant_turn = self._tenant_turns.get(seq.tenant, 0)
+            self._admit(policy(waiting, now), batch)
         return batch if batch.num_seqs else None
 
     def _reserve(self, seq: Sequence, want: int, batch: ScheduledBatch) -> int:
@@ -218,6 +230,15 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.prefills.append((seq, chunk))
+            self._remember_turn(seq.tenant)
+
+    def _remember_turn(self, tenant: str) -> None:
+        """Record an admission of `tenant`, keeping at most TENANT_MEMORY tenants."""
+        self._admissions += 1
+        self._tenant_turns[tenant] = self._admissions
+        self._tenant_turns.move_to_end(tenant)
+        if len(self._tenant_turns) > TENANT_MEMORY:
+            self._tenant_turns.popitem(last=False)
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int], eos_ids: set[int],
                     now: float | None = None) -> tuple[list[Sequence], list[Sequence]]:

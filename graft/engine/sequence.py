@@ -89,6 +89,7 @@ class Sequence:
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0                   # lower runs first (as in vLLM)
     tenant: str = ""                    # the OpenAI `user` field; fairness is per tenant
+    tenant_turn: int = 0                # when its tenant was last admitted (scheduler-kept; 0: not remembered)
     seq_id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING

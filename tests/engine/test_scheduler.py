@@ -142,6 +142,38 @@ def test_one_tenants_burst_does_not_hold_back_another_tenant():
     assert admitted(step(sched, now=5.0)) == [burst[0], other]
 
 
+def admission_order(sched: Scheduler, requests: list[tuple[str, str]], now: float = 5.0) -> list[str]:
+    """Queue (name, tenant) requests in this order and step until they are done; the names in the
+    order they were admitted."""
+    names = {}
+    for i, (name, tenant) in enumerate(requests):
+        seq = request(4, max_tokens=1, tenant=tenant, arrival=float(i), tokens=[5 + i] * 4)
+        names[seq.seq_id] = name
+        sched.add(seq)
+    order: list[str] = []
+    while sched.has_work:
+        order += [names[s.seq_id] for s in admitted(step(sched, now=now))]
+    return order
+
+
+def test_a_tenants_burst_does_not_hold_the_others_back_when_admissions_come_one_at_a_time():
+    # one sequence at a time: each admission is a call of its own, so the turns must carry over
+    sched = make(num_blocks=8, max_num_seqs=1)
+    assert admission_order(sched, [("a1", "a"), ("a2", "a"), ("a3", "a"), ("b1", "b")]) == ["a1", "b1", "a2", "a3"]
+    # and on the next burst the tenant admitted least recently (b) goes first
+    assert admission_order(sched, [("a4", "a"), ("b2", "b"), ("b3", "b")]) == ["b2", "a4", "b3"]
+
+
+def test_the_fairness_memory_is_bounded_and_forgets_the_least_recent_tenant(monkeypatch):
+    monkeypatch.setattr("graft.engine.scheduler.TENANT_MEMORY", 2)
+    sched = make(num_blocks=8, max_num_seqs=1)
+    admission_order(sched, [("x", "x"), ("a", "a"), ("b", "b")])     # x is forgotten, a and b kept
+    assert list(sched._tenant_turns) == ["a", "b"]
+    # forgotten or never seen, x goes first either way: it was admitted least recently
+    assert admission_order(sched, [("b1", "b"), ("a1", "a"), ("x1", "x")]) == ["x1", "a1", "b1"]
+    assert len(sched._tenant_turns) == 2
+
+
 def test_preemption_by_recompute_finishes_everything_with_the_asked_length():
     sched = make(num_blocks=6, max_num_seqs=4, max_num_batched_tokens=256)
     seqs = [request(100 + i, max_tokens=150, ignore_eos=True, arrival=float(i)) for i in range(4)]
