@@ -8,7 +8,6 @@ import pytest
 import yaml
 
 from graft.devcluster.apimachinery import MergeList, StrategicError, strategic_merge
-from graft.devcluster.apiserver import ApiServer
 
 from .kubectl_cli import run_kubectl
 
@@ -16,19 +15,6 @@ PODS = "/api/v1/namespaces/default/pods"
 DEPLOYMENTS = "/apis/apps/v1/namespaces/default/deployments"
 SMP = {"content-type": "application/strategic-merge-patch+json"}
 MERGE = {"content-type": "application/merge-patch+json"}
-
-
-@pytest.fixture
-async def api():
-    async with ApiServer() as server:
-        yield server
-        assert not server.errors, f"the emulator failed on its own: {server.errors}"
-
-
-@pytest.fixture
-async def client(api):
-    async with httpx.AsyncClient(base_url=api.url) as http:
-        yield http
 
 
 def conditions(pod: dict) -> dict[str, str]:

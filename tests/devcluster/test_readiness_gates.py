@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from graft.devcluster.apiserver import ApiServer
 from graft.devcluster.cluster import TOKEN_SECRET, ClusterOptions, engine_deployment
 from graft.devcluster.podrunner import PodRunner, pod_conditions
 from graft.devcluster.traffic import Router
@@ -48,19 +47,6 @@ def web_spec(root: Path, gates: tuple[str, ...] = ()) -> dict:
 def web_pod(name: str, root: Path, gates: tuple[str, ...] = ()) -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": dict(APP)},
             "spec": web_spec(root, gates)}
-
-
-@pytest.fixture
-async def api():
-    async with ApiServer() as server:
-        yield server
-        assert not server.errors, f"the emulator failed on its own: {server.errors}"
-
-
-@pytest.fixture
-async def client(api):
-    async with httpx.AsyncClient(base_url=api.url) as http:
-        yield http
 
 
 @pytest.fixture
