@@ -12,6 +12,7 @@ import pytest
 
 from graft.devcluster.kubeconfig import write_kubeconfig
 from graft.operator.kube import rollout_path
+from tests.devcluster.kubectl_cli import kubectl_binary
 
 from operator_cluster import create, get_rollout, manifest
 
@@ -69,9 +70,7 @@ async def test_kubectl_graft_pauses_and_graft_rollout_resumes(cluster, namespace
 
 
 async def test_status_through_kubectl_and_the_kubeconfig_namespace(cluster, namespace, kubeconfig):
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("no kubectl on PATH")
+    kubectl = kubectl_binary()      # fails, never skips, without kubectl: it is what users run
     # no -n: the namespace comes from the kubeconfig's context, as kubectl's own commands take it
     out = await asyncio.to_thread(run, kubectl, "graft", "status", "kv-align", "--kubeconfig", kubeconfig)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -86,3 +85,9 @@ async def test_an_unknown_rollout_exits_1_with_the_reason(cluster, namespace, ku
     assert f"PatchRollout {namespace}/nope not found" in out.stdout
     obj = await get_rollout(cluster.kube, namespace, "kv-align")
     assert "graft.dev/abort" not in (obj["metadata"].get("annotations") or {})
+
+
+def test_without_kubectl_on_path_a_kubectl_test_fails_instead_of_skipping(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(pytest.fail.Exception, match="kubectl is not on PATH"):
+        kubectl_binary()
