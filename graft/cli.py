@@ -119,14 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="the whole story on this machine: fleet, Prometheus, operator, rollouts")
     d.add_argument("--data-dir", default=None)
-    d.add_argument("--out", default="docs/demo")
+    d.add_argument("--out", default=".graft-demo",
+                   help="folder for the report, plots and logs (docs/demo: refresh the committed example)")
     d.add_argument("--pause", default="8s", help="pause per step (the CRD default is 5m/10m)")
     d.add_argument("--interval", default="2s", help="analysis interval")
     d.add_argument("--pods", type=int, default=3)
     d.add_argument("--rate", type=float, default=1.0, help="client requests per second")
     d.add_argument("--warmup", type=float, default=15.0, help="seconds of traffic before the first rollout")
     d.add_argument("--timeout", type=float, default=240.0, help="seconds a rollout may take")
-    d.add_argument("--workdir", default=".graft-demo", help="logs of the pods, the operator and Prometheus")
+    d.add_argument("--scale-timeout", type=float, default=240.0,
+                   help="seconds the pod added after the promotion may take to be Ready at the promoted revision")
+    d.add_argument("--workdir", default=None, help="the dev cluster's kubeconfig and logs (default: OUT/cluster)")
     d.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("patch", help="patch bundles: pack, sign, verify")

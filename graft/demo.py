@@ -1,24 +1,38 @@
 """`make demo` / `graft demo`: the whole story on one machine.
 
-A dev cluster (API server emulator, three real engine pods, a real Prometheus, the operator),
-steady BBH traffic, and two rollouts from examples/: kv-align@3.2.1 promoted step by step
-(rollout-cpu-fleet.yaml, whose gate is sized for a fleet of about one request a second), then the
-fault@1 fire drill rolled back on its own (rollout-fault-test.yaml). The examples run as written,
-their checks and thresholds included; only their pauses and analysis interval are shortened, and
-they ask the operator's Prometheus (the dev cluster's). A live view shows step, weight, pods and every
-breaker and gate against its threshold; the run ends with a report (Events and the decision behind
-each) and a timeline plot per rollout, written under --out.
+A dev cluster (API server emulator, three real engine pods behind the readiness gate
+graft.dev/patched, a real Prometheus, the operator), steady BBH traffic, and, from examples/:
+
+1. kv-align@3.2.1 promoted step by step (rollout-cpu-fleet.yaml, whose gate is sized for a fleet of
+   about one request a second);
+2. the fleet's durable state: the engine Deployment scaled up by one pod, which the PatchFleet
+   controller patches to the promoted revision before its gate lets it take traffic; the demo fails
+   if the new pod is not Ready at that revision, and answering, within --scale-timeout;
+3. the fault@1 fire drill rolled back on its own (rollout-fault-test.yaml).
+
+The examples run as written, their checks and thresholds included; only their pauses and analysis
+interval are shortened, and they ask the operator's Prometheus (the dev cluster's). The live view
+shows each rollout as `graft rollout status` does (graft.operator.render) and the pods as the
+cluster sees them. Everything is written under --out (.graft-demo by default): the report
+(report.md, with the Events and the decision behind each, and what the new pod did when), a timeline
+plot per rollout, and, in its cluster/ folder, the logs of this process, the operator and each pod,
+which never reach the terminal while the live view runs.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 from rich.console import Console, Group
 from rich.live import Live
@@ -26,14 +40,86 @@ from rich.panel import Panel
 from rich.table import Table
 
 from graft.bench.data import bbh_prompts
-from graft.devcluster.cluster import ROOT, ClusterOptions, DevCluster, object_path
+from graft.devcluster.cluster import APP, ROOT, ClusterOptions, DevCluster, object_path
+from graft.devcluster.traffic import TrafficStats
+from graft.operator.pods import PATCHES_ANNOTATION, TRACK_LABEL, admin_address, is_ready
+from graft.operator.render import render_status
+from graft.rollout.fleet import PATCHED_CONDITION
 from graft.rollout.spec import DEFAULT_STEPS, parse_spec
 
 FINAL = {"Promoted", "RolledBack", "Failed"}
 DEMO_TASKS = ["date_understanding", "boolean_expressions", "sports_understanding"]
 EXAMPLES = ("rollout-cpu-fleet.yaml", "rollout-fault-test.yaml")
+EXPECTED = ["Promoted", "RolledBack"]       # how each example ends
+DEPLOYMENT = FLEET = "llm-engine"           # the dev cluster's engine Deployment, and the PatchFleet of its pods
+ADMIN_PORT = 8081
 # what the timeline plots, below the weight: a breaker's value and a gate's
 PLOTTED = (("breaker/error-rate", "canary error rate"), ("gate/error-rate-delta", "canary - stable errors"))
+# a new pod's way into the fleet, in the order it goes
+MOMENTS = (("created", "pod created"), ("running", "engine running (its readiness probe passes)"),
+           ("patched", "engine runs the promoted revision"), ("gate", f"gate {PATCHED_CONDITION} open"),
+           ("ready", "pod Ready: it takes traffic"), ("served", "first client request answered"))
+
+
+class DemoError(Exception):
+    """Something the demo shows did not happen: said on the terminal, and the exit code is 1."""
+
+
+@dataclass(frozen=True, slots=True)
+class DemoPaths:
+    """Where a run writes: the report beside the dev cluster's folder of logs."""
+
+    out: Path            # report.md, the timeline plots and their data
+    workdir: Path        # the dev cluster: kubeconfig, operator.log, pods/<pod>.log, and demo.log
+
+    @property
+    def log(self) -> Path:
+        """This process's log (dev cluster, API server, pod runner): kept off the terminal."""
+        return self.workdir / "demo.log"
+
+    @property
+    def logs_hint(self) -> str:
+        return f"{self.workdir}/ (demo.log, operator.log, pods/<pod>.log)"
+
+
+def demo_paths(args: argparse.Namespace) -> DemoPaths:
+    out = Path(args.out)
+    return DemoPaths(out, Path(args.workdir) if args.workdir else out / "cluster")
+
+
+def prepare_workdir(workdir: Path) -> None:
+    """A fresh dev cluster folder: the last run's logs removed, and a .gitignore of its own, so a
+    run with `--out docs/demo` leaves the report to commit and nothing else."""
+    (workdir / "pods").mkdir(parents=True, exist_ok=True)
+    (workdir / ".gitignore").write_text("# logs and state of a graft demo run\n*\n")
+    for old in [workdir / "demo.log", workdir / "operator.log", *(workdir / "pods").glob("*.log")]:
+        old.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def logs_to(path: Path) -> Iterator[None]:
+    """Every log record of this process goes to `path` alone while the block runs (a line on the
+    terminal would tear the live view), then the handlers are as they were."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    chatty = {name: logging.getLogger(name).level for name in ("httpx", "aiohttp.access")}
+    handler = logging.FileHandler(path, mode="a")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.handlers[:] = [handler]
+    if level == logging.NOTSET or level > logging.INFO:
+        root.setLevel(logging.INFO)
+    for name in chatty:         # a line per request: the API server and the traffic make several a second
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        for name, was in chatty.items():
+            logging.getLogger(name).setLevel(was)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        handler.close()
 
 
 @dataclass
@@ -46,6 +132,62 @@ class Timeline:
         results = {f'{r.get("role", "breaker")}/{r["name"]}': r for r in st.get("analysis", {}).get("results", [])}
         self.samples.append({"t": t, "phase": st.get("phase"), "weight": st.get("weight", 0),
                              "step": st.get("stepIndex"), "results": results})
+
+
+def condition(pod: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == kind), {})
+
+
+def _running(pod: dict[str, Any]) -> bool:
+    """Its container is up and passes its readiness probe (the gate aside): its engine can be asked."""
+    return condition(pod, "ContainersReady").get("status") == "True"
+
+
+@dataclass
+class Join:
+    """A pod added after the promotion, from the scale-up to its first answered request."""
+
+    revision: str                           # the promoted revision the new pod must run
+    replicas: tuple[int, int]               # before, after
+    scaled_at: float
+    pod: str | None = None
+    moments: dict[str, float] = field(default_factory=dict)   # MOMENTS key -> epoch seconds
+    engine_revisions: list[str] = field(default_factory=list)  # as its engine answered, in order
+    revision_at_ready: str | None = None    # what the engine ran when the pod was first seen Ready
+    ready_condition: str | None = None      # the Ready condition's lastTransitionTime, as the cluster keeps it
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.revision_at_ready == self.revision and "served" in self.moments
+
+    def after(self, key: str) -> str:
+        return f"+{self.moments[key] - self.scaled_at:.1f} s" if key in self.moments else "-"
+
+    def observe(self, pod: dict[str, Any], revision: str | None, stats: TrafficStats) -> None:
+        """Take in one look at the new pod (and what its engine answered, None if it did not), and
+        the client requests it has answered so far."""
+        now = time.time()
+        self.pod = pod["metadata"]["name"]
+        self.moments.setdefault("created", now)
+        if _running(pod):
+            self.moments.setdefault("running", now)
+        if revision is not None and (not self.engine_revisions or self.engine_revisions[-1] != revision):
+            self.engine_revisions.append(revision)
+        if revision == self.revision:
+            self.moments.setdefault("patched", now)
+        if condition(pod, PATCHED_CONDITION).get("status") == "True":
+            self.moments.setdefault("gate", now)
+        if is_ready(pod):
+            self.moments.setdefault("ready", now)
+            self.ready_condition = self.ready_condition or condition(pod, "Ready").get("lastTransitionTime")
+            if self.revision_at_ready is None and revision is not None:
+                self.revision_at_ready = revision
+                if revision != self.revision:
+                    self.error = f"pod {self.pod} turned Ready running {revision}, not the promoted {self.revision}"
+        answered = [o.at + o.latency for o in stats.outcomes if o.pod == self.pod and o.status == 200]
+        if answered and self.revision_at_ready == self.revision:
+            self.moments.setdefault("served", min(answered))
 
 
 def demo_rollout(path: Path, namespace: str, pause: str, interval: str) -> dict[str, Any]:
@@ -65,42 +207,202 @@ def thresholds_of(ro: dict[str, Any]) -> dict[str, float]:
     return {c.key: c.max for c in parse_spec(ro["spec"]).analysis.checks if c.max is not None}
 
 
-def view(cluster: DevCluster, ro: dict[str, Any] | None, traffic, pods: list[dict]) -> Group:
-    head = Table.grid(padding=(0, 2))
-    if ro is None:
-        return Group(Panel("waiting for the rollout ..."))
-    st, spec = ro.get("status", {}), ro["spec"]
-    steps = [s["weight"] for s in spec.get("steps", [])]
-    idx = st.get("stepIndex")
-    head.add_row("rollout", f"[bold]{ro['metadata']['name']}[/]  patch {spec['patch']['name']}@{spec['patch']['version']}")
-    head.add_row("phase", f"[bold]{st.get('phase', '-')}[/]  {st.get('message', '')}")
-    head.add_row("step", f"{(idx or 0) + 1}/{len(steps)}  weights {steps}  now {st.get('weight', 0)}%")
-    head.add_row("revisions", f"canary {st.get('canaryRevision', '-')}  stable {st.get('stableRevision', '-')}")
-    pt = Table(title="pods", expand=True)
-    for col in ("pod", "track", "revision", "ready", "restarts", "requests"):
-        pt.add_column(col)
-    by_pod = traffic.stats.by_pod() if traffic else {}
+# the live view
+def pods_table(pods: Sequence[dict[str, Any]], stats: TrafficStats | None) -> Table:
+    """The engine pods as the cluster has them: Ready (gate included), the gate, track and revision
+    the operator marked, and the client requests each answered."""
+    table = Table(title="Engine pods (cluster)", title_justify="left", expand=True)
+    for col in ("pod", "ready", "gate", "track", "revision", "restarts", "requests"):
+        table.add_column(col)
+    by_pod = stats.by_pod() if stats else {}
     for p in sorted(pods, key=lambda p: p["metadata"]["name"]):
-        name = p["metadata"]["name"]
-        labels, ann = p["metadata"].get("labels", {}), p["metadata"].get("annotations", {})
-        cs = (p.get("status", {}).get("containerStatuses") or [{}])[0]
-        pt.add_row(name, labels.get("graft.dev/track", "-"), ann.get("graft.dev/patches", "-"),
-                   "yes" if cs.get("ready") else "no", str(cs.get("restartCount", 0)), str(by_pod.get(name, 0)))
-    mt = Table(title="analysis", expand=True)
-    for col in ("check", "value", "threshold", "verdict", "breaches"):
-        mt.add_column(col)
-    for r in st.get("analysis", {}).get("results", []):
-        v = r.get("value")
-        colour = {"Successful": "green", "Failed": "red", "Inconclusive": "yellow"}.get(r.get("verdict"), "white")
-        name = f'{r.get("role", "breaker")} {r["name"]}' + (" (dry run)" if r.get("dryRun") else "")
-        mt.add_row(name, "-" if v is None else f"{v:.4g}", str(r.get("threshold", "")),
-                   f"[{colour}]{r.get('verdict')}[/]", str(r.get("breaches", 0)) if r.get("role") != "gate" else "")
-    failed = len(traffic.stats.failed()) if traffic else 0
-    total = len(traffic.stats.outcomes) if traffic else 0
-    foot = f"client requests: {total}, failed: {failed}"
-    return Group(Panel(head, title="graft demo"), pt, mt, foot)
+        name, meta = p["metadata"]["name"], p["metadata"]
+        gate = condition(p, PATCHED_CONDITION).get("status")
+        cs = ((p.get("status") or {}).get("containerStatuses") or [{}])[0]
+        table.add_row(name, "[green]yes[/]" if is_ready(p) else "[yellow]no[/]",
+                      {"True": "open", "False": "closed"}.get(gate or "", "-"),
+                      (meta.get("labels") or {}).get(TRACK_LABEL, "-"),
+                      (meta.get("annotations") or {}).get(PATCHES_ANNOTATION, "-"),
+                      str(cs.get("restartCount", 0)), str(by_pod.get(name, 0)))
+    return table
 
 
+def footer(stats: TrafficStats | None, paths: DemoPaths) -> str:
+    total, failed = (len(stats.outcomes), len(stats.failed())) if stats else (0, 0)
+    return f"client requests: {total}, failed: {failed}\nlogs: {paths.logs_hint}"
+
+
+def view(ro: dict[str, Any] | None, events: Sequence[dict[str, Any]], pods: Sequence[dict[str, Any]],
+         stats: TrafficStats | None, paths: DemoPaths) -> Group:
+    """A rollout as `graft rollout status` shows it, then the cluster's pods and the client traffic."""
+    rollout = render_status(ro, events=events, pods=pods) if ro is not None else Panel("waiting for the rollout ...")
+    return Group(rollout, pods_table(pods, stats), footer(stats, paths))
+
+
+def join_view(join: Join, pods: Sequence[dict[str, Any]], fleet: dict[str, Any] | None,
+              stats: TrafficStats | None, paths: DemoPaths, timeout: float) -> Group:
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    before, after = join.replicas
+    head.add_row("scale-up", f"deployment/{DEPLOYMENT}: {before} -> {after} pods; the new pod must run "
+                             f"{join.revision} before it is Ready (bound {timeout:g} s)")
+    head.add_row("new pod", join.pod or "not created yet")
+    for key, label in MOMENTS:
+        head.add_row(f"  {label}", join.after(key) if key in join.moments else "[dim]waiting[/]")
+    head.add_row("engine answered", " -> ".join(join.engine_revisions) or "-")
+    converged = next((c for c in ((fleet or {}).get("status") or {}).get("conditions") or []
+                      if c.get("type") == "Converged"), {})
+    head.add_row(f"PatchFleet {FLEET}", converged.get("message") or "-")
+    return Group(Panel(head, title="the fleet's durable state"), pods_table(pods, stats), footer(stats, paths))
+
+
+# the cluster
+async def open_fleet(cluster: DevCluster, pods: int, timeout: float) -> None:
+    """The fleet at `base`: a PatchFleet with no patch, whose controller opens each pod's readiness
+    gate once it has seen its engine run `base` (with no fleet at all the gates stay shut)."""
+    assert cluster.api is not None
+    reply = await cluster.api.post(f"/apis/graft.dev/v1alpha1/namespaces/{cluster.namespace}/patchfleets", json={
+        "apiVersion": "graft.dev/v1alpha1", "kind": "PatchFleet", "metadata": {"name": FLEET},
+        "spec": {"selector": {"matchLabels": dict(APP)}, "patches": []}})
+    if reply.status_code >= 400:
+        raise DemoError(f"cannot create the PatchFleet {FLEET}: {reply.status_code} {reply.text[:200]}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        current = await cluster.pod_objects()
+        if len(current) >= pods and all(is_ready(p) for p in current):
+            return
+        await asyncio.sleep(0.5)
+    raise DemoError(f"the PatchFleet {FLEET} did not open the pods' readiness gates within {timeout:g} s")
+
+
+async def engine_revision(client: httpx.AsyncClient, pod: dict[str, Any], token: str) -> str | None:
+    """The revision the pod's engine runs, asked of its admin API; None while it cannot answer."""
+    address = admin_address(pod, ADMIN_PORT)
+    if address is None:
+        return None
+    try:
+        r = await client.get(f"http://{address[0]}:{address[1]}/admin/patches",
+                             headers={"Authorization": f"Bearer {token}"})
+        return r.json().get("revision") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def scale_up(api: httpx.AsyncClient, namespace: str, token: str, revision: str, stats: TrafficStats,
+                   timeout: float, on_sample: Callable[[Join, list[dict[str, Any]]], Any] | None = None,
+                   interval: float = 0.25) -> Join:
+    """Add one pod to the engine Deployment (its scale subresource, as `kubectl scale` does) and
+    follow it until it is Ready running `revision` and has answered a client request; `error` says
+    what did not happen when `timeout` seconds pass first, or when it turns Ready on another revision."""
+    scale_path = f"/apis/apps/v1/namespaces/{namespace}/deployments/{DEPLOYMENT}/scale"
+    pods_path = f"/api/v1/namespaces/{namespace}/pods"
+    scale = await api.get(scale_path)
+    if scale.status_code != 200:
+        raise DemoError(f"cannot read the scale of deployment/{DEPLOYMENT}: {scale.status_code} {scale.text[:200]}")
+    before = int(scale.json()["spec"]["replicas"])
+    known = {p["metadata"]["name"] for p in (await api.get(pods_path)).json()["items"]}
+    reply = await api.patch(scale_path, json={"spec": {"replicas": before + 1}},
+                            headers={"content-type": "application/merge-patch+json"})
+    if reply.status_code >= 400:
+        raise DemoError(f"cannot scale deployment/{DEPLOYMENT}: {reply.status_code} {reply.text[:200]}")
+    join = Join(revision, (before, before + 1), time.time())
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=2.0) as admin:
+        while True:
+            pods = (await api.get(pods_path)).json()["items"]
+            new = sorted((p for p in pods if p["metadata"]["name"] not in known),
+                         key=lambda p: p["metadata"].get("creationTimestamp") or "")
+            if new:
+                join.observe(new[0], await engine_revision(admin, new[0], token) if _running(new[0]) else None,
+                             stats)
+            if on_sample is not None:
+                on_sample(join, pods)
+            if join.done or join.error:
+                return join
+            if time.monotonic() > deadline:
+                join.error = _not_joined(join, timeout)
+                return join
+            await asyncio.sleep(interval)
+
+
+def _not_joined(join: Join, timeout: float) -> str:
+    if join.pod is None:
+        return f"no new pod appeared within {timeout:g} s of scaling deployment/{DEPLOYMENT} to {join.replicas[1]}"
+    missing = next(label for key, label in MOMENTS if key not in join.moments)
+    seen = " -> ".join(join.engine_revisions) or "no answer"
+    return (f"pod {join.pod} did not reach the promoted revision {join.revision} within {timeout:g} s: "
+            f"still waiting for '{missing}' (its engine answered: {seen})")
+
+
+async def run_rollout(cluster: DevCluster, ro: dict[str, Any], traffic, console: Console, timeout: float,
+                      paths: DemoPaths) -> tuple[Timeline, dict[str, Any]]:
+    name = ro["metadata"]["name"]
+    await cluster.apply(ro)
+    timeline = Timeline(name)
+    deadline = time.monotonic() + timeout
+    last: dict[str, Any] = ro
+    with Live(console=console, refresh_per_second=2, transient=False) as live:
+        while time.monotonic() < deadline:
+            cur = await cluster.rollout(name)
+            pods = await cluster.pod_objects()
+            if cur is not None:
+                last = cur
+                timeline.add(time.time(), cur)
+            live.update(view(cur, await cluster.events(name), pods, traffic.stats, paths))
+            if cur is not None and cur.get("status", {}).get("phase") in FINAL:
+                break
+            await asyncio.sleep(1.0)
+    return timeline, last
+
+
+async def run_scale_up(cluster: DevCluster, traffic, console: Console, revision: str, timeout: float,
+                       paths: DemoPaths) -> tuple[Join, list[dict[str, Any]]]:
+    """The scale-up with its live view; the PatchFleet's Events from the scale on come back with it."""
+    assert cluster.api is not None
+    fleet_path = f"/apis/graft.dev/v1alpha1/namespaces/{cluster.namespace}/patchfleets/{FLEET}"
+    fleet: dict[str, Any] | None = None
+    with Live(console=console, refresh_per_second=4, transient=False) as live:
+        def show(join: Join, pods: list[dict[str, Any]]) -> None:
+            live.update(join_view(join, pods, fleet, traffic.stats, paths, timeout))
+
+        async def follow_fleet() -> None:
+            nonlocal fleet
+            while True:
+                fleet = await cluster.get(fleet_path)
+                await asyncio.sleep(1.0)
+
+        follower = asyncio.create_task(follow_fleet())
+        try:
+            join = await scale_up(cluster.api, cluster.namespace, cluster.token, revision, traffic.stats, timeout,
+                                  on_sample=show)
+        finally:
+            follower.cancel()
+    events = [e for e in await cluster.events(FLEET) if (e.get("involvedObject") or {}).get("kind") == "PatchFleet"
+              and _epoch(e.get("lastTimestamp") or e.get("eventTime")) >= join.scaled_at - 1]
+    return join, events
+
+
+def _epoch(text: str | None) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() if text else 0.0
+
+
+async def abort_unfinished(cluster: DevCluster, ro: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+    """A rollout still running when its time is up is aborted (graft.dev/abort): the operator runs one
+    rollout per fleet at a time, so the next would wait behind it for ever."""
+    name = ro["metadata"]["name"]
+    await cluster.api.patch(object_path(ro), json={"metadata": {"annotations": {"graft.dev/abort": "true"}}},
+                            headers={"content-type": "application/merge-patch+json"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cur = await cluster.rollout(name)
+        if cur is None or cur.get("status", {}).get("phase") in FINAL:
+            break
+        await asyncio.sleep(1.0)
+    return cur or ro
+
+
+# the report
 def plot(timeline: Timeline, out: Path, thresholds: dict[str, float]) -> Path:
     import matplotlib
     matplotlib.use("Agg")
@@ -131,124 +433,154 @@ def plot(timeline: Timeline, out: Path, thresholds: dict[str, float]) -> Path:
     return path
 
 
-async def run_rollout(cluster: DevCluster, ro: dict[str, Any], traffic, console: Console,
-                      timeout: float) -> tuple[Timeline, dict[str, Any]]:
-    name = ro["metadata"]["name"]
-    await cluster.apply(ro)
-    timeline = Timeline(name)
-    deadline = time.monotonic() + timeout
-    last: dict[str, Any] = ro
-    with Live(console=console, refresh_per_second=2, transient=False) as live:
-        while time.monotonic() < deadline:
-            cur = await cluster.rollout(name)
-            pods = await cluster.pod_objects()
-            if cur is not None:
-                last = cur
-                timeline.add(time.time(), cur)
-            live.update(view(cluster, cur, traffic, pods))
-            if cur is not None and cur.get("status", {}).get("phase") in FINAL:
-                break
-            await asyncio.sleep(1.0)
-    return timeline, last
+def _utc(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
 
 
-async def abort_unfinished(cluster: DevCluster, ro: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
-    """A rollout still running when its time is up is aborted (graft.dev/abort): the operator runs one
-    rollout per fleet at a time, so the next would wait behind it for ever."""
-    name = ro["metadata"]["name"]
-    await cluster.api.patch(object_path(ro), json={"metadata": {"annotations": {"graft.dev/abort": "true"}}},
-                            headers={"content-type": "application/merge-patch+json"})
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        cur = await cluster.rollout(name)
-        if cur is None or cur.get("status", {}).get("phase") in FINAL:
-            break
-        await asyncio.sleep(1.0)
-    return cur or ro
+def _events_table(events: Sequence[dict[str, Any]]) -> list[str]:
+    lines = ["| time | reason | message |", "|---|---|---|"]
+    for e in events:
+        when = e.get("lastTimestamp") or e.get("eventTime") or ""
+        msg = (e.get("message") or "").replace("|", "\\|")
+        lines.append(f"| {when} | {e.get('reason')} | {msg} |")
+    return lines
 
 
-def report(out: Path, runs: list[tuple[Timeline, dict[str, Any], list[dict], Path]], traffic,
-           started: float) -> Path:
+def rollout_section(timeline: Timeline, ro: dict[str, Any], events: Sequence[dict[str, Any]], png: Path) -> list[str]:
+    st = ro.get("status", {})
+    return [f"## {timeline.name}: {st.get('phase')}", "",
+            f"Patch `{ro['spec']['patch']['name']}@{ro['spec']['patch']['version']}`; "
+            f"final weight {st.get('weight')}%; {st.get('message', '')}", "",
+            f"![timeline]({png.name})", "", *_events_table(events), ""]
+
+
+def join_section(join: Join, events: Sequence[dict[str, Any]]) -> list[str]:
+    """What the new pod did when: the moments after the scale-up, its revision, the fleet's Events."""
+    before, after = join.replicas
+    verdict = (f"pod `{join.pod}` joined at `{join.revision}`" if join.done
+               else f"FAILED: {join.error}")
+    lines = [f"## Scale-up after the promotion: {verdict}", "",
+             f"`deployment/{DEPLOYMENT}` scaled from {before} to {after} pods at {_utc(join.scaled_at)} UTC. "
+             f"The PatchFleet controller patches a new pod to the fleet's patches before its readiness gate "
+             f"`{PATCHED_CONDITION}` lets it take traffic.", ""]
+    if join.pod:
+        lines += [f"- new pod: `{join.pod}`",
+                  f"- Ready at: {_utc(join.moments['ready']) + ' UTC' if 'ready' in join.moments else 'never'}"
+                  + (f" (its Ready condition: {join.ready_condition})" if join.ready_condition else ""),
+                  f"- revision when Ready: `{join.revision_at_ready or '-'}` (asked of its engine's admin API)",
+                  f"- its engine answered, in order: {' -> '.join(join.engine_revisions) or '-'}", "",
+                  "| moment | time (UTC) | after the scale-up |", "|---|---|---|"]
+        lines += [f"| {label} | {_utc(join.moments[key]) if key in join.moments else '-'} | {join.after(key)} |"
+                  for key, label in MOMENTS]
+        lines.append("")
+    if events:
+        lines += [f"Events of the PatchFleet `{FLEET}`:", "", *_events_table(events), ""]
+    return lines
+
+
+def report(out: Path, sections: Sequence[list[str]], stats: TrafficStats, started: float, pods: int) -> Path:
     lines = ["# Graft demo report", "",
              f"Run on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))} with `make demo`: "
-             "three engine pods (SmolLM2-135M-Instruct on CPU), a real Prometheus, the operator, "
-             "and steady BBH traffic through a pod-ratio router.", ""]
-    for timeline, ro, events, png in runs:
-        st = ro.get("status", {})
-        lines += [f"## {timeline.name}: {st.get('phase')}", "",
-                  f"Patch `{ro['spec']['patch']['name']}@{ro['spec']['patch']['version']}`; "
-                  f"final weight {st.get('weight')}%; {st.get('message', '')}", "",
-                  f"![timeline]({png.name})", "", "| time | reason | message |", "|---|---|---|"]
-        for e in events:
-            when = e.get("lastTimestamp") or e.get("eventTime") or ""
-            msg = (e.get("message") or "").replace("|", "\\|")
-            lines.append(f"| {when} | {e.get('reason')} | {msg} |")
-        lines.append("")
-    total = len(traffic.stats.outcomes)
-    failed = traffic.stats.failed()
+             f"{pods} engine pods (SmolLM2-135M-Instruct on CPU) behind the readiness gate `{PATCHED_CONDITION}`, "
+             "a real Prometheus, the operator, and steady BBH traffic through a pod-ratio router.", ""]
+    for section in sections:
+        lines += section
+    total = len(stats.outcomes)
+    failed = stats.failed()
     lines += ["## Client traffic", "", f"{total} requests, {len(failed)} not answered 200.", ""]
     if failed:
-        by = {}
+        by: dict[tuple[str, int, str], int] = {}
         for o in failed:
-            by.setdefault((o.pod, o.status, o.error[:80]), 0)
-            by[(o.pod, o.status, o.error[:80])] += 1
+            by[(o.pod, o.status, o.error[:80])] = by.get((o.pod, o.status, o.error[:80]), 0) + 1
         lines += ["| pod | status | error | count |", "|---|---|---|---|"]
         lines += [f"| {p} | {s} | {e} | {n} |" for (p, s, e), n in sorted(by.items())]
-    path = out / "README.md"
+    path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
+# the run
 async def _demo(args: argparse.Namespace) -> int:
     console = Console()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    import logging
-    for noisy in ("httpx", "aiohttp.access", "kopf"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    paths = demo_paths(args)
+    paths.out.mkdir(parents=True, exist_ok=True)
+    prepare_workdir(paths.workdir)
     # two questions per task: their shared 3-shot prefix stays in each engine's prefix cache
     prompts = [p.text for p in bbh_prompts(args.data_dir, tasks=DEMO_TASKS, per_task=2)]
-    workdir = Path(args.workdir)
+    with logs_to(paths.log):
+        try:
+            return await _story(args, paths, console, prompts)
+        except (DemoError, TimeoutError) as e:
+            console.print(f"[bold red]graft demo failed:[/] {e}\nlogs: {paths.logs_hint}")
+            return 1
+
+
+async def _story(args: argparse.Namespace, paths: DemoPaths, console: Console, prompts: list[str]) -> int:
+    started = time.time()
     with console.status("starting the dev cluster: API server, Prometheus, operator, engine pods ..."):
-        cluster = DevCluster(ClusterOptions(workdir=workdir, pods=args.pods))
+        cluster = DevCluster(ClusterOptions(workdir=paths.workdir, pods=args.pods,
+                                            readiness_gates=(PATCHED_CONDITION,)))
         await cluster.__aenter__()
     try:
-        with console.status("waiting for the engine pods to load the model and turn ready ..."):
+        with console.status("waiting for the engine pods to load the model ..."):
             await cluster.wait_ready(timeout=300)
+        with console.status(f"the fleet at base: PatchFleet {FLEET} opens the pods' readiness gates ..."):
+            await open_fleet(cluster, args.pods, timeout=120)
         console.print(f"[green]fleet ready[/]: {args.pods} pods. Watch from another terminal:\n"
-                      f"  kubectl --kubeconfig {cluster.kubeconfig.resolve()} get patchrollouts -n llm -w")
-        runs = []
+                      f"  kubectl --kubeconfig {cluster.kubeconfig.resolve()} get patchrollouts,patchfleets,pods -n "
+                      f"{cluster.namespace}\nlogs: {paths.logs_hint}")
+        sections: list[list[str]] = []
+        phases: list[str | None] = []
+        join: Join | None = None
         async with cluster.traffic(prompts, rate=args.rate, max_tokens=4) as traffic:
             with console.status("warming up: traffic on the stable fleet ..."):
                 await asyncio.sleep(args.warmup)
             for example in EXAMPLES:
-                ro = demo_rollout(ROOT / "examples" / example, cluster.namespace, args.pause, args.interval)
-                console.rule(f"{example}: {ro['spec']['patch']['name']}@{ro['spec']['patch']['version']}")
-                timeline, final = await run_rollout(cluster, ro, traffic, console, timeout=args.timeout)
-                if final.get("status", {}).get("phase") not in FINAL:
-                    console.print(f"[yellow]{ro['metadata']['name']} did not finish within {args.timeout:g} s: "
-                                  f"aborting it[/] ({final.get('status', {}).get('message', '')})")
-                    await abort_unfinished(cluster, ro)
-                events = await cluster.events(ro["metadata"]["name"])
-                png = plot(timeline, out, thresholds_of(ro))
-                runs.append((timeline, final, events, png))
-                (out / f"{timeline.name}-timeline.json").write_text(json.dumps(timeline.samples, indent=1))
-                console.print(f"[bold]{timeline.name}[/]: {final.get('status', {}).get('phase')} "
-                              f"— {final.get('status', {}).get('message', '')}")
-        path = report(out, runs, traffic, started)
-        et = Table(title="what happened")
-        for col in ("rollout", "phase", "events", "plot"):
-            et.add_column(col)
-        for timeline, final, events, png in runs:
-            et.add_row(timeline.name, final.get("status", {}).get("phase", "-"), str(len(events)), str(png))
-        console.print(et)
-        console.print(f"report: {path}  ({time.time() - started:.0f} s in all)")
-        phases = [final.get("status", {}).get("phase") for _, final, _, _ in runs]
-        return 0 if phases == ["Promoted", "RolledBack"] else 1
+                final = await _one_rollout(cluster, example, traffic, console, args, paths, sections)
+                phases.append(final.get("status", {}).get("phase"))
+                if example != EXAMPLES[0]:
+                    continue
+                if phases[-1] != "Promoted":
+                    console.print("[yellow]not promoted: no scale-up into the fleet's promoted state[/]")
+                    continue
+                revision = final["status"]["stableRevision"]
+                console.rule(f"scale-up: one more pod, which must run {revision} before it is Ready")
+                join, events = await run_scale_up(cluster, traffic, console, revision, args.scale_timeout, paths)
+                sections.append(join_section(join, events))
+                (paths.out / "scale-up.json").write_text(json.dumps(asdict(join), indent=1))
+                if not join.done:
+                    break
+                console.print(f"[bold]{join.pod}[/]: Ready {join.after('ready')} after the scale-up, running "
+                              f"{join.revision_at_ready}; first request answered {join.after('served')}")
+        path = report(paths.out, sections, traffic.stats, started, args.pods)
+        console.print(f"report: {path}  ({time.time() - started:.0f} s in all)\nlogs: {paths.logs_hint}")
+        if join is not None and not join.done:
+            raise DemoError(f"the new pod did not join the fleet at its promoted revision: {join.error}")
+        if phases != EXPECTED:
+            raise DemoError(f"the rollouts ended {', '.join(map(str, phases))}; the demo expects "
+                            f"{', '.join(EXPECTED)} (see the report and the logs)")
+        return 0
     finally:
         with console.status("stopping the dev cluster ..."):
             await cluster.__aexit__(None, None, None)
+
+
+async def _one_rollout(cluster: DevCluster, example: str, traffic, console: Console, args: argparse.Namespace,
+                       paths: DemoPaths, sections: list[list[str]]) -> dict[str, Any]:
+    ro = demo_rollout(ROOT / "examples" / example, cluster.namespace, args.pause, args.interval)
+    console.rule(f"{example}: {ro['spec']['patch']['name']}@{ro['spec']['patch']['version']}")
+    timeline, final = await run_rollout(cluster, ro, traffic, console, args.timeout, paths)
+    if final.get("status", {}).get("phase") not in FINAL:
+        console.print(f"[yellow]{ro['metadata']['name']} did not finish within {args.timeout:g} s: "
+                      f"aborting it[/] ({final.get('status', {}).get('message', '')})")
+        final = await abort_unfinished(cluster, ro)
+    events = await cluster.events(ro["metadata"]["name"])
+    png = plot(timeline, paths.out, thresholds_of(ro))
+    sections.append(rollout_section(timeline, final, events, png))
+    (paths.out / f"{timeline.name}-timeline.json").write_text(json.dumps(timeline.samples, indent=1))
+    console.print(f"[bold]{timeline.name}[/]: {final.get('status', {}).get('phase')} "
+                  f"— {final.get('status', {}).get('message', '')}")
+    return final
 
 
 def main(args: argparse.Namespace) -> int:

@@ -4,11 +4,14 @@
 Each verb changes one field of the PatchRollout and the operator does the rest: `pause`/`resume`
 set `spec.paused`, `promote` sets the annotation `graft.dev/promote` (`step` or `full`), `abort`
 sets `graft.dev/abort: "true"`. `status` shows the step, the weight, the pods and every metric
-against its threshold; `-w` keeps it on screen, updated, until the rollout finishes.
+against its threshold (graft.operator.render, which `graft demo` shows too), with a warning when
+pod-ratio routing cannot honour the first steps (CoarseSteps); `-w` keeps it on screen, updated,
+until the rollout finishes.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -16,16 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console, Group
-from rich.table import Table
-from rich.text import Text
+from rich.console import Console
+
+from graft.operator.render import FINAL, render_status
 
 GROUP, VERSION, PLURAL = "graft.dev", "v1alpha1", "patchrollouts"
-FINAL = ("Promoted", "RolledBack", "Failed")
-PHASE_STYLE = {"Progressing": "cyan", "Paused": "yellow", "Promoted": "green", "RollingBack": "red",
-               "RolledBack": "red", "Failed": "bold red", "Pending": "dim"}
-VERDICT_STYLE = {"Successful": "green", "Failed": "red", "Inconclusive": "yellow", "Error": "magenta",
-                 "Skipped": "dim"}
 
 
 class CliError(Exception):
@@ -173,64 +171,46 @@ def _retry(api, namespace, args, console) -> int:
 
 
 def _status(api, namespace, args, console) -> int:
+    obj, events, pods = _status_of(api, namespace, args.name)
     if not args.watch:
-        console.print(render_status(_get(api, namespace, args.name)))
+        console.print(render_status(obj, events=events, pods=pods))
         return 0
     from rich.live import Live
 
-    obj = _get(api, namespace, args.name)
-    with Live(render_status(obj), console=console, auto_refresh=False) as live:
+    with Live(render_status(obj, events=events, pods=pods), console=console, auto_refresh=False) as live:
         while (obj.get("status") or {}).get("phase") not in FINAL:
             time.sleep(args.interval)
-            obj = _get(api, namespace, args.name)
-            live.update(render_status(obj), refresh=True)
+            obj, events, pods = _status_of(api, namespace, args.name)
+            live.update(render_status(obj, events=events, pods=pods), refresh=True)
     return 0 if obj["status"]["phase"] == "Promoted" else 2
 
 
-def render_status(obj: dict[str, Any]) -> Group:
-    """A PatchRollout as `graft rollout status` shows it: summary, pods, metrics."""
-    meta, spec, status = obj["metadata"], obj.get("spec") or {}, obj.get("status") or {}
-    phase = status.get("phase", "Pending")
-    steps = spec.get("steps") or []
-    step = status.get("stepIndex", 0)
-    summary = Table.grid(padding=(0, 2))
-    summary.add_column(style="bold")
-    summary.add_column()
-    patch = spec.get("patch") or {}
-    summary.add_row("Rollout", f"{meta.get('namespace')}/{meta['name']}")
-    summary.add_row("Patch", f"{patch.get('name')}@{patch.get('version')}")
-    summary.add_row("Phase", Text(phase + (" (paused)" if spec.get("paused") and phase != "Paused" else ""),
-                                  style=PHASE_STYLE.get(phase, "")))
-    summary.add_row("Step", f"{step + 1}/{len(steps)}" if steps else "-")
-    summary.add_row("Weight", f"{status.get('weight', 0)}%")
-    summary.add_row("Stable", status.get("stableRevision") or "-")
-    summary.add_row("Canary", status.get("canaryRevision") or "-")
-    if status.get("message"):
-        summary.add_row("Message", status["message"])
-    parts: list[Any] = [summary]
+def _status_of(api, namespace: str, name: str) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict] | None]:
+    """The rollout, the Events posted on it and the pods its selector matches: what `render_status`
+    shows. Events or pods this user may not read are left out (the rollout itself is required)."""
+    import kubernetes
+    from kubernetes.client.exceptions import ApiException
 
-    pods = Table(title="Pods", title_justify="left")
-    for column in ("Pod", "Track", "Revision", "Restarts", "Patched at"):
-        pods.add_column(column)
-    for p in status.get("pods") or []:
-        pods.add_row(p["name"], Text(p.get("track", ""), style="cyan" if p.get("track") == "canary" else ""),
-                     p.get("revision") or "?", str(p.get("restartCount", 0)), p.get("patchedAt") or "-")
-    parts.append(pods)
+    from graft.rollout.spec import SpecError, parse_selector
 
-    analysis = status.get("analysis") or {}
-    metrics = Table(title=f"Analysis (last run {analysis.get('lastRun') or 'never'}: "
-                          f"{analysis.get('verdict') or '-'})", title_justify="left")
-    for column in ("Metric", "Value", "Threshold", "Window", "Verdict", "Breaches", "Detail"):
-        metrics.add_column(column)
-    for r in analysis.get("results") or []:
-        value = r.get("value")
-        verdict = r.get("verdict", "")
-        metrics.add_row(r["name"] + (" (dry run)" if r.get("dryRun") else ""),
-                        "-" if value is None else f"{value:.4g}", r.get("threshold", ""), r.get("window", ""),
-                        Text(verdict, style=VERDICT_STYLE.get(verdict, "")), str(r.get("breaches", 0)),
-                        r.get("message", ""))
-    parts.append(metrics)
-    return Group(*parts)
+    obj = _get(api, namespace, name)
+    core = kubernetes.client.CoreV1Api(api.api_client)
+    try:
+        events = _items(core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}",
+                                                   _preload_content=False))
+    except ApiException:
+        events = []
+    try:
+        selector = parse_selector((obj.get("spec") or {}).get("selector")).to_query()
+        pods = _items(core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))
+    except (ApiException, SpecError):
+        pods = None
+    return obj, events, pods
+
+
+def _items(response) -> list[dict[str, Any]]:
+    """The items of a list call made with `_preload_content=False`, as the API server sent them."""
+    return json.loads(response.data).get("items") or []
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """`graft rollout` (and `kubectl graft`): each verb changes one field; status shows the numbers."""
 import asyncio
+import re
 
 import pytest
 from rich.console import Console
@@ -100,3 +101,85 @@ async def test_status_watch_follows_until_the_rollout_finishes(cluster, namespac
                                    {"status": {"phase": "Promoted", "stepIndex": 2, "weight": 100}})
     assert await asyncio.wait_for(watch, 10) == 0
     assert "Promoted" in console.export_text()
+
+
+# the status of a rollout whose first step pod-ratio routing cannot honour: 1% asked, one of two pods
+COARSE = {**STATUS, "message": "step 1/3: weight 1%, 1 of 2 pods canary", "stepIndex": 0, "weight": 1,
+          "canaryPods": 1, "trafficShare": 50.0}
+# the operator's words (graft.rollout.machine), posted by kopf with the rollout as involvedObject
+COARSE_MESSAGE = ("pod-ratio routing over 2 pods: the smallest share is one pod, 50% of the traffic, so steps below "
+                  "that (first: 1%) send more than they ask; use Gateway API routing or more pods for finer steps")
+
+
+async def post_event(cluster, namespace, obj, reason, message, uid=None):
+    now = "2026-01-01T00:00:01.000000+00:00"
+    meta = obj["metadata"]
+    await cluster.kube.create(f"/api/v1/namespaces/{namespace}/events", {
+        "apiVersion": "v1", "kind": "Event", "metadata": {"generateName": "kopf-event-"},
+        "type": "Warning", "reason": reason, "message": message, "source": {"component": "kopf"},
+        "involvedObject": {"apiVersion": "graft.dev/v1alpha1", "kind": "PatchRollout", "name": meta["name"],
+                           "uid": uid or meta["uid"], "namespace": namespace},
+        "firstTimestamp": now, "lastTimestamp": now, "eventTime": now})
+
+
+async def ready_pod(cluster, namespace, name, ip, ready=True):
+    path = f"/api/v1/namespaces/{namespace}/pods"
+    await cluster.kube.create(path, {"apiVersion": "v1", "kind": "Pod",
+                                     "metadata": {"name": name, "labels": {"app": "llm-engine"}},
+                                     "spec": {"containers": [{"name": "engine", "image": "graft:dev"}]}})
+    await cluster.kube.merge_patch(f"{path}/{name}/status", {"status": {
+        "phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}})
+
+
+@pytest.fixture
+async def coarse(cluster, namespace, rollout):
+    """The rollout at its first step (1%) over two Ready pods (a third is not Ready)."""
+    await cluster.kube.merge_patch(rollout_path(namespace, "kv-align") + "/status", {"status": COARSE})
+    for i, ip in enumerate(("127.0.0.2", "127.0.0.3")):
+        await ready_pod(cluster, namespace, f"engine-{i}", ip)
+    await ready_pod(cluster, namespace, "engine-2", "127.0.0.4", ready=False)
+    return await get_rollout(cluster.kube, namespace, "kv-align")
+
+
+async def test_status_warns_of_coarse_steps_with_the_real_exposure_next_to_the_asked_weight(
+        cluster, namespace, rollout, coarse):
+    # an Event of an earlier rollout of the same name (another uid) says nothing about this one
+    await post_event(cluster, namespace, coarse, "CoarseSteps", COARSE_MESSAGE, uid="an-earlier-rollout")
+    code, out = await cli(rollout, namespace, "status", "kv-align")
+    assert code == 0 and "CoarseSteps" not in out, out
+    await post_event(cluster, namespace, coarse, "CoarseSteps", COARSE_MESSAGE)
+    code, out = await cli(rollout, namespace, "status", "kv-align")
+    assert code == 0, out
+    assert "Warning CoarseSteps" in out
+    assert "step 1 asks for 1% of the traffic; the canary gets 50% (1 of 2 Ready pods)" in out
+    assert COARSE_MESSAGE in out
+    assert re.search(r"^Ready pods +2 *$", out, re.M), "the not-Ready pod is not counted"
+
+
+async def test_status_without_a_coarse_steps_event_shows_no_warning(cluster, namespace, rollout, coarse):
+    await post_event(cluster, namespace, coarse, "WeightSet", "step 1/3: canary weight 1% (1 of 2 pods are canaries)")
+    code, out = await cli(rollout, namespace, "status", "kv-align")
+    assert code == 0 and "CoarseSteps" not in out and "asks for" not in out, out
+
+
+async def test_the_demo_shows_a_rollout_in_the_very_lines_of_graft_rollout_status(cluster, namespace, rollout,
+                                                                                  coarse, tmp_path):
+    from graft.demo import DemoPaths, view
+    from graft.operator.kube import pods_path
+
+    await post_event(cluster, namespace, coarse, "CoarseSteps", COARSE_MESSAGE)
+    code, out = await cli(rollout, namespace, "status", "kv-align")
+    assert code == 0, out
+    # what the demo's live view has at hand: the rollout, the events of the namespace, the pods
+    events = await cluster.kube.list(f"/api/v1/namespaces/{namespace}/events")
+    pods = await cluster.kube.list(pods_path(namespace))
+    console = Console(record=True, width=400, force_terminal=False)
+    console.print(view(coarse, events, pods, None, DemoPaths(tmp_path, tmp_path / "cluster")))
+    demo = console.export_text().splitlines()
+    status_lines = [line for line in out.splitlines() if line.strip()]
+    assert len(status_lines) > 20 and "Warning CoarseSteps" in out
+    # every line of `graft rollout status`, in its order, inside the demo's view
+    at = 0
+    for line in status_lines:
+        assert line in demo[at:], line
+        at = demo.index(line, at) + 1
