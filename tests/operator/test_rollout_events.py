@@ -1,19 +1,37 @@
 """The operator's Events for what goes wrong, end to end: kopf against the API server emulator and
 fake engines. A Gateway API rollout rolled back leaves its HTTPRoute at (100, 0); an HTTPRoute the
 API server will not take is reported and blocks the rollback until it is fixed; the engines'
-refusals each fail the rollout with their own reason; engines nobody can reach hold the start."""
+refusals each fail the rollout with their own reason; engines nobody can reach hold the start.
+
+Every test here runs on an API server emulator of its own, even when GRAFT_E2E_KUBECONFIG names a
+real cluster: the engines are fakes behind pods the test creates, and one test replaces the
+cluster-wide HTTPRoute CRD, neither of which is a test's to do to a shared cluster."""
+from pathlib import Path
+
 import pytest
 
-from graft.operator.kube import rollout_path
+from graft.devcluster.apiserver import ApiServer
+from graft.operator.kube import Kube, rollout_path
 from graft.operator.reconcile import UNAUTHORIZED_TICKS
 
-from operator_cluster import create, events_of, events_with, get_rollout, manifest, phase_is, until
+from operator_cluster import Cluster, create, events_of, events_with, get_rollout, manifest, phase_is, until
 
 pytestmark = pytest.mark.timeout(120)
 
 ROUTING = {"gatewayAPI": {"httpRoute": "llm", "stableService": "llm-stable", "canaryService": "llm-canary"}}
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 HTTPROUTE_CRD = "httproutes.gateway.networking.k8s.io"
+CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
+
+
+@pytest.fixture
+async def cluster():
+    """This module's own emulator, with Graft's CRDs, in place of the suite's `cluster` (which is
+    a real cluster under GRAFT_E2E_KUBECONFIG): what these tests change is theirs alone."""
+    async with ApiServer(crd_paths=[CRD_DIR]) as api:
+        kube = Kube(api.url)
+        yield Cluster(kube, api.url, None)
+        await kube.aclose()
 
 
 def routes_path(namespace: str) -> str:
@@ -71,8 +89,6 @@ async def test_a_rolled_back_gateway_rollout_leaves_the_route_at_100_0(cluster, 
 
 async def test_a_route_the_api_server_refuses_holds_the_step_and_blocks_the_rollback(cluster, namespace, fleet,
                                                                                     operator, prometheus):
-    if cluster.real:
-        pytest.skip("replaces the HTTPRoute CRD")
     engines = await fleet(2)
     await cluster.kube.create(CRDS, httproute_crd(max_weight=99))
     await create_route(cluster, namespace, 99, 1)
