@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import fcntl
 import hashlib
 import itertools
 import json
@@ -39,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -98,6 +100,7 @@ class PodRunner:
         self.grace = grace
         self.containers: dict[str, Container] = {}
         self._free_ips = [f"127.0.0.{i}" for i in range(first_ip, 250)]
+        self._leases: dict[str, IpLease] = {}
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._wake = asyncio.Event()
@@ -115,6 +118,8 @@ class PodRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await asyncio.gather(*(asyncio.to_thread(self._terminate, c) for c in self.containers.values()))
+        for ip in list(self._leases):
+            self._release_ip(ip)
         await self.api.aclose()
 
     # paths
@@ -215,7 +220,7 @@ class PodRunner:
             if pod is None or pod["metadata"].get("deletionTimestamp"):
                 c = self.containers.pop(name)
                 await asyncio.to_thread(self._terminate, c)
-                self._free_ips.insert(0, c.ip)
+                self._release_ip(c.ip)
                 if pod is not None:  # let the deletion finish: drop our finalizer-free pod for good
                     await self.api.delete(self._ns("pods", name), params={"gracePeriodSeconds": "0"})
         for name, pod in pods.items():
@@ -245,14 +250,27 @@ class PodRunner:
         return await self._sync_status(c, pod)
 
     def _take_ip(self, pod: dict) -> str:
-        """A free pod IP: the first one on which no other process (another dev cluster on this
-        machine, say) already listens on a port the pod's containers declare."""
+        """A free pod IP: the first one that no other dev cluster on this machine holds (a lease,
+        see `IpLease`) and on which no other process already listens on a port the pod's
+        containers declare. The lease closes the gap between this check and the engine's bind,
+        seconds later, in which a second dev cluster starting at the same time would pick it too."""
         ports = [int(p["containerPort"]) for c in (pod.get("spec") or {}).get("containers") or []
                  for p in c.get("ports") or [] if str(p.get("containerPort", "")).isdigit()]
         for i, ip in enumerate(self._free_ips):
+            lease = IpLease.take(ip)
+            if lease is None:
+                continue
             if all(_port_free(ip, port) for port in ports):
+                self._leases[ip] = lease
                 return self._free_ips.pop(i)
+            lease.release()
         return self._free_ips.pop(0)  # all taken: the container will say so in its log
+
+    def _release_ip(self, ip: str) -> None:
+        lease = self._leases.pop(ip, None)
+        if lease is not None:
+            lease.release()
+        self._free_ips.insert(0, ip)
 
     # containers
     async def _resolve_env(self, pod: dict, container: dict, ip: str) -> dict[str, str]:
@@ -629,6 +647,33 @@ def _field_ref(pod: dict, path: str, ip: str) -> str:
     if path not in simple:
         raise ContainerError("CreateContainerConfigError", f"unsupported fieldRef {path}")
     return str(simple[path] or "")
+
+
+class IpLease:
+    """An exclusive claim on one loopback address among the dev clusters of this machine: an
+    advisory lock on a file named after it, which the kernel drops when the process ends, so a
+    crashed dev cluster leaves nothing to clean up."""
+
+    DIR = Path(tempfile.gettempdir()) / "graft-devcluster-ips"
+
+    def __init__(self, fd: int):
+        self._fd = fd
+
+    @classmethod
+    def take(cls, ip: str) -> "IpLease | None":
+        cls.DIR.mkdir(parents=True, exist_ok=True)
+        fd = os.open(cls.DIR / ip, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return cls(fd)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)   # closing the descriptor drops the lock
+            self._fd = -1
 
 
 def _port_free(ip: str, port: int) -> bool:

@@ -115,7 +115,10 @@ async def _answers(url: str, prompts: list[str]) -> list[tuple[int, str]]:
     return [(r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text) for r in replies]
 
 
-def test_two_hundred_swaps_under_load_fail_no_request_and_change_no_token(engine):
+SWAP_CYCLES = 60   # apply then revert, cycling through the three 3.2.1 patches
+
+
+def test_swaps_under_load_fail_no_request_and_change_no_token(engine):
     """A half-applied patch would not fail a request, it would give wrong tokens: every answer during
     the swaps must be the greedy answer its prompt gets on some whole revision (base or a 3.2.1 patch)."""
     known: dict[str, set[str]] = {p: set() for p in LOAD_PROMPTS}
@@ -148,7 +151,7 @@ def test_two_hundred_swaps_under_load_fail_no_request_and_change_no_token(engine
     t.start()
     try:
         with engine.admin() as admin:
-            for cycle in range(200):
+            for cycle in range(SWAP_CYCLES):
                 name = SET_321[cycle % 3]
                 r = admin.post("/admin/patches", json={"name": name, "version": "3.2.1", "source": BUILTIN})
                 assert r.status_code == 200, r.text
@@ -156,13 +159,13 @@ def test_two_hundred_swaps_under_load_fail_no_request_and_change_no_token(engine
     finally:
         stop.set()
         t.join(120)
-    assert len(results) > 50
+    assert len(results) > 20
     codes = [code for _, code, _ in results]
     assert set(codes) == {200}, {c: codes.count(c) for c in set(codes)}
     wrong = [(prompt, text) for prompt, _, text in results if text not in known[prompt]]
     assert not wrong, f"{len(wrong)} of {len(results)} answers match no revision: {wrong[:3]}; known: {known}"
     text = httpx.get(engine.url + "/metrics").text
-    assert metric_value(text, "graft_patch_apply_seconds_count", op="apply") >= 200
+    assert metric_value(text, "graft_patch_apply_seconds_count", op="apply") >= SWAP_CYCLES
 
 
 def test_an_engine_restarted_with_graft_patches_comes_back_patched(tmp_path):

@@ -69,9 +69,7 @@ def test_completions_honour_stop_strings_and_seeds(engine):
 
 
 def test_short_request_is_not_stalled_by_a_long_prefill(engine):
-    long_prompt = "\n\n".join(bbh_prompt(t) for t in ("date_understanding", "logical_deduction_five_objects",
-                                                       "temporal_sequences", "tracking_shuffled_objects_five_objects",
-                                                       "causal_judgement"))
+    long_prompt = "\n\n".join(bbh_prompt(t) for t in ("date_understanding", "logical_deduction_five_objects"))
     seen: dict[str, float] = {}
 
     def stream(name: str, prompt: str) -> None:
@@ -96,8 +94,8 @@ def test_short_request_is_not_stalled_by_a_long_prefill(engine):
     short.start()
     for t in (long, short):
         t.join()
-    assert seen["long_tokens"] > 3500
-    # the long prompt needs ~15 steps of 256 tokens; the short one, sent while they run, is admitted
+    assert seen["long_tokens"] > 1400
+    # the long prompt needs six steps or more of 256 tokens; the short one, sent while they run, is admitted
     # into the next step. Compared as an order of events, not as a ratio of durations: a loaded
     # machine stretches every step alike, but cannot reorder them
     assert seen["short_at"] < seen["long_at"], seen
@@ -163,7 +161,7 @@ def test_health_ready_models_and_metrics(engine):
         assert name in text, name
 
 
-def test_memory_stays_flat_across_a_thousand_requests(engine):
+def test_memory_stays_flat_across_five_hundred_requests(engine):
     proc = psutil.Process(engine.proc.pid)
 
     async def burst(n: int) -> int:
@@ -179,12 +177,12 @@ def test_memory_stays_flat_across_a_thousand_requests(engine):
 
     assert asyncio.run(burst(200)) == 200  # warm up allocator pools
     before = proc.memory_info().rss
-    assert asyncio.run(burst(1000)) == 1000
+    assert asyncio.run(burst(500)) == 500
     after = proc.memory_info().rss
     text = httpx.get(engine.url + "/metrics").text
     assert metric_value(text, "graft_kv_cache_usage_ratio") == 0
     assert metric_value(text, "graft_num_requests_running") == 0
-    assert after - before < 64 << 20, f"RSS grew by {(after - before) >> 20} MiB"
+    assert after - before < 48 << 20, f"RSS grew by {(after - before) >> 20} MiB"
 
 
 def test_overload_answers_429_with_retry_after(tmp_path):
