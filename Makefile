@@ -26,8 +26,12 @@ prometheus:
 	    echo "Prometheus is missing: run 'sudo apt-get install prometheus' (Debian) or put it on PATH"; exit 1; \
 	  fi; }
 
+# Two workers, a test file each at a time: much of the suite waits on timers and real processes,
+# so two files share the two cores well; a file's module fixtures (a fleet, an engine) stay in one
+# worker. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: setup prometheus
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -m "not slow and not e2e"
