@@ -3,6 +3,7 @@
 - create / resume / update (spec, controls in annotations): reconcile at once;
 - a timer every `tick` seconds: reconcile (pauses end, analysis runs, pods are re-checked);
 - PatchFleets: on create, update and every `tick`, their pods are converged to their patches;
+- every `tick`, finished rollouts past their TTL or their fleet's history limit are deleted (history);
 - delete (behind the finalizer `graft.dev/finalizer`): a rollout still in flight is aborted and its
   canaries reverted before it goes; a promoted one leaves its patch in place;
 - login: chosen by settings (a plain URL, a kubeconfig, or kopf's in-cluster/kubeconfig login).
@@ -15,7 +16,7 @@ from typing import Any
 
 import kopf
 
-from graft.operator import events
+from graft.operator import events, history
 from graft.operator.fleet import reconcile_fleet
 from graft.operator.kube import fleet_path, rollout_path
 from graft.operator.reconcile import ACTIVE, reconcile
@@ -44,6 +45,9 @@ def build_registry(runtime: Runtime) -> kopf.OperatorRegistry:
         settings.posting.level = logging.WARNING     # events are posted on purpose, not from log lines
         settings.watching.connect_timeout = 10
         settings.watching.server_timeout = 300
+        # a deleted object's timers that were mid-run are checked again this often until they exit
+        # (kopf's 60 s held a rollout deleted during its tick, or by its own TTL timer, a minute)
+        settings.background.cancellation_polling = runtime.settings.tick
 
     @kopf.on.login(registry=registry, id="login")
     async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -82,6 +86,8 @@ def build_registry(runtime: Runtime) -> kopf.OperatorRegistry:
     @kopf.timer(**fleet, id="fleet-tick", interval=runtime.settings.tick)
     async def fleet_ticked(body: kopf.Body, **_: Any) -> None:
         await fleet_step(runtime, body)
+
+    history.register(runtime, resource, fleet)     # finished rollouts: their TTL, the fleet's history limit
 
     @kopf.on.delete(**resource, id="finalize")
     async def deleted(body: kopf.Body, **_: Any) -> None:

@@ -74,6 +74,7 @@ DEFAULT_CONFIDENCE = 0.95
 DEFAULT_ROLLBACK_CONFIDENCE = 0.999
 DEFAULT_INCONCLUSIVE_LIMIT = 20
 DEFAULT_ERROR_LIMIT = 4
+DEFAULT_REVISION_HISTORY_LIMIT = 10   # finished PatchRollouts a PatchFleet keeps (its CRD default)
 # What the CRD defaults (the API server stores these); the checks themselves default in parse_spec,
 # because a rollout that names a template must not also get the default list.
 DEFAULTS: dict[str, Any] = {
@@ -263,6 +264,7 @@ class RolloutSpec:
     progress_deadline: float
     paused: bool = False
     action: str = APPLY                # apply the patch, or revert it, step by step
+    ttl_seconds_after_finished: int | None = None   # deleted this long after it finished (None: kept)
 
     def step(self, index: int) -> Step:
         return self.steps[min(index, len(self.steps) - 1)]
@@ -305,7 +307,7 @@ def parse_spec(spec: Mapping[str, Any], templates: Templates | None = None) -> R
         raise SpecError([FieldError("spec", "must be an object")])
     spec = with_defaults(spec)
     r.known(spec, "spec", ("selector", "patch", "trafficRouting", "steps", "analysis",
-                           "progressDeadline", "paused", "action"))
+                           "progressDeadline", "paused", "action", "ttlSecondsAfterFinished"))
     action = spec.get("action", APPLY)
     if action not in (APPLY, REVERT):
         r.fail("spec.action", f"must be {APPLY} or {REVERT}")
@@ -318,9 +320,23 @@ def parse_spec(spec: Mapping[str, Any], templates: Templates | None = None) -> R
     if "progressDeadline" in spec and deadline <= 0 and not r.errors_at("spec.progressDeadline"):
         r.fail("spec.progressDeadline", "must be longer than zero")
     paused = r.boolean(spec, "paused", "spec")
+    ttl = r.integer(spec, "ttlSecondsAfterFinished", "spec", 0)
     if r.errors:
         raise SpecError(r.errors)
-    return RolloutSpec(selector, patch, routing, steps, analysis, deadline, paused, action)
+    return RolloutSpec(selector, patch, routing, steps, analysis, deadline, paused, action, ttl)
+
+
+def parse_ttl(spec: Mapping[str, Any]) -> int | None:
+    """`spec.ttlSecondsAfterFinished` alone (None when unset); raises SpecError naming the field.
+
+    What deletes a finished rollout reads this field only: the rest of its spec may no longer parse
+    (an analysis template deleted since), and that must not keep it forever.
+    """
+    r = _Reader()
+    ttl = r.integer(dict(spec), "ttlSecondsAfterFinished", "spec", 0) if isinstance(spec, Mapping) else None
+    if r.errors:
+        raise SpecError(r.errors)
+    return ttl
 
 
 class _Reader:
@@ -781,6 +797,7 @@ class FleetSpec:
 
     selector: LabelSelector
     patches: tuple[PatchSpec, ...]
+    revision_history_limit: int = DEFAULT_REVISION_HISTORY_LIMIT   # finished rollouts kept
 
 
 def parse_fleet_spec(spec: Mapping[str, Any]) -> FleetSpec:
@@ -788,7 +805,7 @@ def parse_fleet_spec(spec: Mapping[str, Any]) -> FleetSpec:
     r = _Reader()
     if not isinstance(spec, Mapping):
         raise SpecError([FieldError("spec", "must be an object")])
-    r.known(dict(spec), "spec", ("selector", "patches"))
+    r.known(dict(spec), "spec", ("selector", "patches", "revisionHistoryLimit"))
     selector = _selector(r, spec.get("selector"), "spec.selector")
     raw = spec.get("patches") or []
     if not isinstance(raw, list) or len(raw) > 32:
@@ -801,9 +818,11 @@ def parse_fleet_spec(spec: Mapping[str, Any]) -> FleetSpec:
             r.fail(f"spec.patches[{i}].name", f"duplicate patch {p.name!r}: a fleet runs one version of each")
         names.add(p.name)
         patches.append(p)
+    limit = r.integer(dict(spec), "revisionHistoryLimit", "spec", 0)
     if r.errors:
         raise SpecError(r.errors)
-    return FleetSpec(selector, tuple(sorted(patches, key=lambda p: p.name)))
+    return FleetSpec(selector, tuple(sorted(patches, key=lambda p: p.name)),
+                     DEFAULT_REVISION_HISTORY_LIMIT if limit is None else limit)
 
 
 def patch_to_dict(patch: PatchSpec) -> dict[str, Any]:

@@ -1,0 +1,97 @@
+"""Finished PatchRollouts deleted, so they do not pile up: the kopf side of graft.rollout.history.
+
+- A timer on each finished PatchRollout that sets `spec.ttlSecondsAfterFinished` (kopf runs it for
+  those only) deletes it once its TTL has run out, with the Event TTLExpired on the rollout. It
+  needs no fleet: a rollout whose fleet is gone still expires.
+- A timer on each PatchFleet lists the rollouts that target it and deletes the finished ones beyond
+  its `spec.revisionHistoryLimit`, oldest first, with the Event HistoryPruned on the fleet naming
+  each one (and, on the way, any whose TTL has run out).
+
+Both run every tick, so a deletion comes at most a tick late. Each one is made under the rollout's
+own lock, after reading it again: a rollout retried (`graft rollout retry`) or finished anew since
+the list was read is left alone. The finalizer then runs as for any deletion; a finished rollout
+has nothing left to revert.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import kopf
+
+from graft.operator import events
+from graft.operator.kube import fleet_path, rollout_path, rollouts_path
+from graft.operator.runtime import Runtime
+from graft.rollout.decision import Event
+from graft.rollout.history import HISTORY_PRUNED, Deletion, finished, plan, record, targets
+from graft.rollout.spec import SpecError, parse_fleet_spec
+
+TTL_FIELD = "ttlSecondsAfterFinished"
+
+
+def register(runtime: Runtime, rollouts: dict[str, Any], fleets: dict[str, Any]) -> None:
+    """Add both timers; `rollouts` and `fleets` are the kopf resource arguments (with the registry)."""
+
+    @kopf.timer(**rollouts, id="ttl", interval=runtime.settings.tick, when=_may_expire)
+    async def ttl_ticked(body: kopf.Body, **_: Any) -> None:
+        await expire(runtime, body)
+
+    @kopf.timer(**fleets, id="fleet-history", interval=runtime.settings.tick)
+    async def history_ticked(body: kopf.Body, **_: Any) -> None:
+        await prune(runtime, body)
+
+
+def _may_expire(spec: kopf.Spec, status: kopf.Status, **_: Any) -> bool:
+    return spec.get(TTL_FIELD) is not None and finished(status)
+
+
+async def expire(rt: Runtime, body: kopf.Body) -> None:
+    """Delete this rollout if its own TTL has run out."""
+    meta = body["metadata"]
+    if rt.closed:
+        return
+    current = await rt.kube.get(rollout_path(meta["namespace"], meta["name"]))
+    if current is None:
+        return
+    for deletion in plan([record(current)], limit=None, now=time.time()):
+        if (deleted := await delete(rt, meta["namespace"], deletion)) is not None:
+            events.post(deleted, Event(deletion.reason, deletion.message, "Normal"))
+
+
+async def prune(rt: Runtime, body: kopf.Body) -> None:
+    """Delete the fleet's finished rollouts beyond its history limit (and any past their TTL)."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    if rt.closed:
+        return
+    fleet = await rt.kube.get(fleet_path(namespace, name))
+    if fleet is None:
+        return
+    try:
+        spec = parse_fleet_spec(fleet.get("spec") or {})
+    except SpecError:
+        return                 # the fleet controller reports it; nothing is deleted on a spec we cannot read
+    refs = [p.ref for p in spec.patches]
+    query = spec.selector.to_query()
+    mine = [record(r, refs) for r in await rt.kube.list(rollouts_path(namespace)) if targets(r, name, query)]
+    for deletion in plan(mine, limit=spec.revision_history_limit, now=time.time()):
+        if (deleted := await delete(rt, namespace, deletion, refs)) is not None:
+            on = fleet if deletion.reason == HISTORY_PRUNED else deleted
+            events.post(on, Event(deletion.reason, deletion.message, "Normal"))
+
+
+async def delete(rt: Runtime, namespace: str, deletion: Deletion,
+                 fleet_patches: Iterable[str] = ()) -> dict[str, Any] | None:
+    """Delete the rollout `deletion` names if it is still the one decided on, finished as it was
+    then; answer it as it was, or None when it was left alone."""
+    planned = deletion.rollout
+    async with rt.locks[planned.uid]:
+        current = await rt.kube.get(rollout_path(namespace, planned.name))
+        if current is None or current["metadata"].get("deletionTimestamp"):
+            return None
+        fresh = record(current, fleet_patches)
+        if (fresh.uid, fresh.finished, fresh.finished_at) != (planned.uid, True, planned.finished_at):
+            return None
+        await rt.kube.delete(rollout_path(namespace, planned.name))
+    return current

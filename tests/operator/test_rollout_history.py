@@ -1,0 +1,95 @@
+"""Finished rollouts go away through the real operator (kopf against the API server emulator): a
+rollout's own ttlSecondsAfterFinished, and its fleet's revisionHistoryLimit.
+
+The rollouts here are aborted before they start, so they finish (RolledBack) in their first
+reconciliation, with no engine and no Prometheus; they still name their fleet as any finished one does.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from graft.operator.kube import fleet_path, rollouts_path
+from graft.rollout.status import from_time
+
+from operator_cluster import create, events_of, get_rollout, phase_is, until
+
+pytestmark = pytest.mark.timeout(60)
+SELECTOR = {"matchLabels": {"app": "llm-engine"}}
+
+
+def aborted(name, **spec):
+    """A rollout that finishes RolledBack (reason Aborted) as soon as the operator sees it."""
+    return {"apiVersion": "graft.dev/v1alpha1", "kind": "PatchRollout",
+            "metadata": {"name": name, "annotations": {"graft.dev/abort": "true"}},
+            "spec": {"selector": SELECTOR, "patch": {"name": "kv-align", "version": "3.2.1",
+                                                     "source": {"builtin": {}}}, **spec}}
+
+
+def completed_at(obj):
+    (c,) = [c for c in obj["status"]["conditions"] if c["type"] == "Completed"]
+    assert c["status"] == "True"
+    return from_time(c["lastTransitionTime"])
+
+
+async def names(cluster, namespace):
+    return {r["metadata"]["name"] for r in await cluster.kube.list(rollouts_path(namespace))}
+
+
+async def test_a_finished_rollout_is_deleted_its_ttl_after_it_finished(cluster, namespace, operator):
+    await operator()
+    await create(cluster, namespace, aborted("short-lived", ttlSecondsAfterFinished=1))
+    await create(cluster, namespace, aborted("kept"))
+    done = await until(lambda: phase_is(cluster, namespace, "short-lived", "RolledBack"), 15, what="RolledBack")
+    finished = completed_at(done)
+    await until(lambda: _gone(cluster, namespace, "short-lived"), 10, interval=0.05, what="deleted")
+    gone = time.time()
+    assert 1.0 <= gone - finished <= 4.0, gone - finished
+    (event,) = [e for e in await events_of(cluster.kube, namespace, "short-lived") if e["reason"] == "TTLExpired"]
+    assert event["type"] == "Normal" and "(ttlSecondsAfterFinished: 1)" in event["message"]
+    # without a TTL, and within its fleet's default history of ten, a finished rollout stays
+    assert (await phase_is(cluster, namespace, "kept", "RolledBack")) is not None
+    assert (await cluster.kube.get(fleet_path(namespace, "llm-engine")))["spec"]["revisionHistoryLimit"] == 10
+
+
+async def _gone(cluster, namespace, name):
+    return await get_rollout(cluster.kube, namespace, name) is None
+
+
+async def test_a_fleet_keeps_only_its_newest_finished_rollouts_and_says_which_it_deleted(cluster, namespace,
+                                                                                          operator):
+    await cluster.kube.create(fleet_path(namespace), {
+        "apiVersion": "graft.dev/v1alpha1", "kind": "PatchFleet", "metadata": {"name": "llm-engine"},
+        "spec": {"selector": SELECTOR, "revisionHistoryLimit": 1}})
+    await operator()
+    # an active rollout on the fleet (created paused, so it waits in Pending): never deleted
+    waiting = aborted("waiting", paused=True)
+    del waiting["metadata"]["annotations"]
+    await create(cluster, namespace, waiting)
+    for name in ("first", "second", "third"):
+        await create(cluster, namespace, aborted(name))
+        done = await until(lambda: phase_is(cluster, namespace, name, "RolledBack"), 15, what=f"{name} RolledBack")
+        assert done["status"]["fleet"] == "llm-engine"
+    await until(lambda: _names_are(cluster, namespace, {"third", "waiting"}), 10, what="only the newest kept")
+    assert (await get_rollout(cluster.kube, namespace, "waiting"))["status"]["phase"] == "Pending"
+
+    pruned = await until(lambda: _pruned(cluster, namespace, 2), 10, what="two HistoryPruned events")
+    assert [e["type"] for e in pruned] == ["Normal", "Normal"]
+    assert {e["involvedObject"]["kind"] for e in pruned} == {"PatchFleet"}
+    assert sorted(e["message"] for e in pruned) == [
+        f"deleted PatchRollout {name} (RolledBack): the fleet keeps 1 finished rollout (revisionHistoryLimit)"
+        for name in ("first", "second")]
+    # and a rollout finishing later takes the place of the one kept before
+    await create(cluster, namespace, aborted("fourth"))
+    await until(lambda: _names_are(cluster, namespace, {"fourth", "waiting"}), 15, what="the third deleted")
+
+
+async def _names_are(cluster, namespace, expected):
+    return await names(cluster, namespace) == expected
+
+
+async def _pruned(cluster, namespace, n):
+    items = [e for e in await events_of(cluster.kube, namespace, "llm-engine") if e["reason"] == "HistoryPruned"]
+    return items if len(items) >= n else None
+
