@@ -33,6 +33,7 @@ from graft.rollout.status import FINAL
 
 T = TypeVar("T")
 GROUP_VERSION = "graft.dev/v1alpha1"
+DEPLOYMENT = "llm-engine"  # the engine Deployment of the local dev cluster (graft.devcluster.cluster)
 SELECTOR = ",".join(f"{k}={v}" for k, v in APP.items())
 LOCAL_PODS = 3
 LOCAL_TICK = 1.0           # operator tick, seconds
@@ -232,14 +233,38 @@ class Fleet:
             self.local.start_operator()
 
     async def reset(self, timeout: float = 180) -> None:
-        """Delete the scenario's rollouts and the PatchFleet a promotion wrote (its controller would
-        patch the engines again), and bring every engine back to `base`, all pods ready."""
+        """The fleet at `base`, as the next scenario expects it: stopped processes running again,
+        the scenario's rollouts deleted, the engine Deployment back at its replicas, and every pod
+        Ready with its engine at `base`. What a fleet's PatchFleet and pods look like at base is
+        the fleet's own (`settle_fleets`, `at_base`): here, no PatchFleet, as the cluster started."""
+        t0 = time.monotonic()
+        await self.clear_rollouts()
+        deleted = time.monotonic() - t0
+        await self.scale_back()
+        await self.settle_fleets(timeout)
+        await self.wait_for(self.at_base, timeout, f"{self.expected_pods} ready pods, all at {BASE}")
+        print(f"[reset: rollouts deleted in {deleted:.1f}s, fleet at base {time.monotonic() - t0:.1f}s]")
+
+    async def clear_rollouts(self) -> None:
+        """Stopped processes running again, and the rollouts the scenario applied deleted."""
         await self.restore_processes()
         for name in list(self.rollouts):
             await self.delete_rollout(name)
             self.rollouts.remove(name)
+
+    async def scale_back(self) -> None:
+        """Locally: the engine Deployment back at the replicas the fleet started with (a scenario
+        may have scaled it); on a real cluster the scenarios never scale it."""
+        if self.local is None:
+            return
+        reply = await self.api.patch(f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{DEPLOYMENT}",
+                                     json={"spec": {"replicas": self.expected_pods}},
+                                     headers={"content-type": "application/merge-patch+json"})
+        reply.raise_for_status()
+
+    async def settle_fleets(self, timeout: float) -> None:
+        """No PatchFleet: the one a promotion wrote would have its controller patch the engines again."""
         await self.delete_fleets(timeout)
-        await self.wait_for(self._back_to_base, timeout, f"{self.expected_pods} ready pods, all at {BASE}")
 
     async def delete_fleets(self, timeout: float) -> None:
         path = fleet_path(self.namespace)
@@ -252,7 +277,9 @@ class Fleet:
             return r.status_code != 200 or not r.json().get("items")
         await self.wait_for(none_left, timeout, "every PatchFleet to be deleted")
 
-    async def _back_to_base(self) -> bool:
+    async def at_base(self) -> bool:
+        """Every pod Ready, its engine at `base`, no track label, annotated `base`; reverts the
+        engines and relabels the pods that are not (no controller does it without a PatchFleet)."""
         pods = await self.ready_pods()
         done = len(pods) >= self.expected_pods
         for pod in pods:

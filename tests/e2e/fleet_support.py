@@ -16,19 +16,76 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from graft.api import BASE
 from graft.devcluster.cluster import APP, ClusterOptions, DevCluster
 from graft.operator.pods import PATCHES_ANNOTATION, TRACK_LABEL, is_ready
 from graft.rollout.fleet import PATCHED_CONDITION
+from tests.devcluster.kubectl_cli import kubectl_binary
 from tests.e2e.fleet import GROUP_VERSION, LOCAL_TICK, SCRAPE_INTERVAL, Fleet
 
 PODS = 2
 FIRST_POD_IP = 120          # 127.0.0.120 up: clear of another dev cluster on this machine (they start at .2)
-DEPLOYMENT = "llm-engine"
 FLEET = "llm-engine"        # the name a rollout gives the fleet it creates for app=llm-engine
 
 
+class GatedFleet(Fleet):
+    """A fleet whose pods wait behind the readiness gate graft.dev/patched.
+
+    At base it keeps its PatchFleet, with no patches: a pod added later is let in only by a fleet.
+    `start_over` brings back the cluster as it started, before any fleet existed.
+    """
+
+    async def settle_fleets(self, timeout: float) -> None:
+        """The fleet's PatchFleet with no patches (created if a scenario left none): its controller
+        takes every patch out of the engines and keeps the gates open."""
+        if await patch_fleet(self) is None:
+            await create_patch_fleet(self)
+        else:
+            await set_fleet_patches(self, [])
+
+    async def at_base(self) -> bool:
+        return await converged(self, BASE, self.expected_pods)
+
+    async def start_over(self, timeout: float = 240) -> None:
+        """The cluster as it started: no rollout, no PatchFleet, and `expected_pods` engines at
+        `base` whose pods passed their probes but were never let in (no gate condition at all).
+        A pod a fleet has let in keeps its open gate, so it is replaced by a new one from the
+        Deployment; when the scenario runs first, nothing needs replacing and this takes no time."""
+        t0 = time.monotonic()
+        await self.clear_rollouts()
+        await self.scale_back()
+        await self.delete_fleets(timeout)
+        replaced = []
+        for pod in await self.pods():
+            if await self._touched(pod):
+                name = pod["metadata"]["name"]
+                reply = await self.api.delete(f"/api/v1/namespaces/{self.namespace}/pods/{name}")
+                reply.raise_for_status()
+                replaced.append(name)
+        await self.wait_for(self._started, timeout, f"{self.expected_pods} pods as the cluster started them")
+        print(f"[start over: {len(replaced)} pods replaced, cluster as it started {time.monotonic() - t0:.1f}s]")
+
+    async def _started(self) -> bool:
+        pods = await self.pods()
+        return len(pods) == self.expected_pods and all([await self._as_started(p) for p in pods])
+
+    async def _touched(self, pod: dict[str, Any]) -> bool:
+        """Whether a fleet or a rollout has had this pod: its gate set, its marks, its engine patched."""
+        revision = await self.engine_revision(pod)
+        return (condition(pod, PATCHED_CONDITION) is not None or marks(pod) != (None, BASE)
+                or revision not in (None, BASE))
+
+    async def _as_started(self, pod: dict[str, Any]) -> bool:
+        """Containers ready, held out by the gate alone (never set), unmarked, its engine at base."""
+        ready = condition(pod, "Ready") or {}
+        return ((condition(pod, "ContainersReady") or {}).get("status") == "True"
+                and ready.get("status") == "False" and ready.get("reason") == "ReadinessGatesNotReady"
+                and condition(pod, PATCHED_CONDITION) is None and marks(pod) == (None, BASE)
+                and await self.engine_revision(pod) == BASE)
+
+
 @contextlib.asynccontextmanager
-async def open_gated_fleet(workdir: Path, pods: int = PODS) -> AsyncIterator[Fleet]:
+async def open_gated_fleet(workdir: Path, pods: int = PODS) -> AsyncIterator[GatedFleet]:
     """A local dev cluster of `pods` engines behind the readiness gate graft.dev/patched.
 
     No PatchFleet exists yet: the engines start, pass their readiness probe, and stay not Ready.
@@ -39,7 +96,7 @@ async def open_gated_fleet(workdir: Path, pods: int = PODS) -> AsyncIterator[Fle
     async with DevCluster(opts) as cluster:
         assert cluster.api is not None and cluster.prometheus is not None
         await cluster.wait_ready(timeout=300)          # the containers' probes, not the gate
-        fleet = Fleet(cluster.api, cluster.namespace, cluster.token, cluster.prometheus.url, pods, cluster)
+        fleet = GatedFleet(cluster.api, cluster.namespace, cluster.token, cluster.prometheus.url, pods, cluster)
         try:
             yield fleet
         finally:
@@ -54,12 +111,6 @@ def fleet_path(fleet: Fleet, name: str = "") -> str:
 def patch_fleet_manifest(name: str, patches: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"apiVersion": GROUP_VERSION, "kind": "PatchFleet", "metadata": {"name": name},
             "spec": {"selector": {"matchLabels": dict(APP)}, "patches": patches or []}}
-
-
-async def patch_fleets(fleet: Fleet) -> list[dict[str, Any]]:
-    reply = await fleet.api.get(fleet_path(fleet))
-    reply.raise_for_status()
-    return reply.json()["items"]
 
 
 async def patch_fleet(fleet: Fleet, name: str = FLEET) -> dict[str, Any] | None:
@@ -123,7 +174,7 @@ class Run:
 async def kubectl(fleet: Fleet, *args: str, timeout: float = 60) -> Run:
     local = fleet.require_local("kubectl against the dev cluster's kubeconfig")
     proc = await asyncio.create_subprocess_exec(
-        "kubectl", "--kubeconfig", str(local.kubeconfig), "-n", fleet.namespace, *args,
+        kubectl_binary(), "--kubeconfig", str(local.kubeconfig), "-n", fleet.namespace, *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)

@@ -15,7 +15,8 @@ second) through a router that picks Ready pods only. The scenarios use the Kuber
 6. `spec.action: revert` takes a promoted patch out of every pod and out of the fleet.
 
 Each scenario starts from the fleet at `base` (its PatchFleet emptied, two pods, every one Ready)
-and deletes its rollouts at the end. Logs: pytest's tmp folder, `fleetcluster*/operator.log` and
+and deletes its rollouts at the end; the first asks for `fresh`, the cluster as it started (no
+PatchFleet, pods never let in), which it gets in any order: pods a fleet let in are replaced. Logs: pytest's tmp folder, `fleetcluster*/operator.log` and
 `fleetcluster*/pods/*.log`; a failed scenario's report shows their tails.
 """
 from __future__ import annotations
@@ -32,10 +33,10 @@ import pytest_asyncio
 from graft.operator.pods import is_ready
 from graft.rollout.fleet import PATCHED_CONDITION
 from graft.api import BASE, patches_of
-from tests.e2e.fleet import ClientLoad, Fleet, Recorder
-from tests.e2e.fleet_support import (DEPLOYMENT, FLEET, PODS, GateWatch, condition, converged, create_patch_fleet,
-                                     fleet_refs, gate_open, kubectl, marks, open_gated_fleet, patch_fleet,
-                                     patch_fleets, rollout_manifest, set_fleet_patches, until_phase)
+from tests.e2e.fleet import DEPLOYMENT, ClientLoad, Fleet, Recorder
+from tests.e2e.fleet_support import (FLEET, PODS, GatedFleet, GateWatch, condition, converged, fleet_refs, gate_open,
+                                     kubectl, marks, open_gated_fleet, patch_fleet, rollout_manifest,
+                                     set_fleet_patches, until_phase)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -53,7 +54,7 @@ def builtin(ref: str) -> dict[str, Any]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def fleet(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Fleet]:
+async def fleet(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GatedFleet]:
     async with open_gated_fleet(tmp_path_factory.mktemp("fleetcluster")) as f:
         yield f
 
@@ -64,41 +65,22 @@ async def traffic(fleet: Fleet) -> AsyncIterator[ClientLoad]:
         yield ClientLoad(t)
 
 
-@pytest.fixture
-def fresh() -> None:
-    """Marks a scenario that needs the cluster as it started: no PatchFleet yet."""
+@pytest_asyncio.fixture(loop_scope="module")
+async def fresh(fleet: GatedFleet) -> None:
+    """The cluster as it started, whatever ran before: no PatchFleet, and pods no fleet has let in
+    (pods a fleet let in are replaced by new ones)."""
+    await fleet.start_over(START_TIMEOUT)
 
 
 @pytest_asyncio.fixture(loop_scope="module", autouse=True)
-async def clean_slate(request: pytest.FixtureRequest, fleet: Fleet, traffic: ClientLoad) -> AsyncIterator[None]:
+async def clean_slate(request: pytest.FixtureRequest, fleet: GatedFleet, traffic: ClientLoad) -> AsyncIterator[None]:
     """The fleet at `base` before and after each scenario: no rollout, its PatchFleet empty, two
-    pods, each Ready with its gate open (a scenario marked `fresh` starts before any PatchFleet)."""
-    if "fresh" in request.fixturenames:
-        if await patch_fleets(fleet):
-            pytest.skip("needs the cluster as it started (no PatchFleet): run it first in the module")
-    else:
-        await back_to_base(fleet)
+    pods, each Ready with its gate open; a scenario that asks for `fresh` starts from the cluster
+    as it started instead."""
+    if "fresh" not in request.fixturenames:
+        await fleet.reset(START_TIMEOUT)
     yield
-    await back_to_base(fleet)
-
-
-async def back_to_base(fleet: Fleet) -> None:
-    await fleet.restore_processes()
-    t0 = time.monotonic()
-    for name in list(fleet.rollouts):
-        await fleet.delete_rollout(name)
-        fleet.rollouts.remove(name)
-    deleted = time.monotonic() - t0
-    deployment = f"/apis/apps/v1/namespaces/{fleet.namespace}/deployments/{DEPLOYMENT}"
-    reply = await fleet.api.patch(deployment, json={"spec": {"replicas": PODS}},
-                                  headers={"content-type": "application/merge-patch+json"})
-    reply.raise_for_status()
-    if await patch_fleet(fleet) is None:
-        await create_patch_fleet(fleet)
-    else:
-        await set_fleet_patches(fleet, [])
-    await fleet.wait_for(lambda: converged(fleet, BASE, PODS), START_TIMEOUT, f"{PODS} pods converged at base")
-    print(f"[back to base: rollouts deleted in {deleted:.1f}s, fleet at base {time.monotonic() - t0:.1f}s]")
+    await fleet.reset(START_TIMEOUT)
 
 
 async def test_first_rollout_on_a_gated_fleet_creates_the_patchfleet_and_lets_the_pods_in(fleet: Fleet, fresh):
