@@ -211,7 +211,7 @@ def thresholds_of(ro: dict[str, Any]) -> dict[str, float]:
 def pods_table(pods: Sequence[dict[str, Any]], stats: TrafficStats | None) -> Table:
     """The engine pods as the cluster has them: Ready (gate included), the gate, track and revision
     the operator marked, and the client requests each answered."""
-    table = Table(title="Engine pods (cluster)", title_justify="left", expand=True)
+    table = Table(title="Engine pods (cluster)", title_justify="left")
     for col in ("pod", "ready", "gate", "track", "revision", "restarts", "requests"):
         table.add_column(col)
     by_pod = stats.by_pod() if stats else {}
@@ -227,16 +227,17 @@ def pods_table(pods: Sequence[dict[str, Any]], stats: TrafficStats | None) -> Ta
     return table
 
 
-def footer(stats: TrafficStats | None, paths: DemoPaths) -> str:
+def header(stats: TrafficStats | None, paths: DemoPaths) -> str:
+    """The first lines of the live view (what a short terminal cuts is the bottom): traffic, logs."""
     total, failed = (len(stats.outcomes), len(stats.failed())) if stats else (0, 0)
-    return f"client requests: {total}, failed: {failed}\nlogs: {paths.logs_hint}"
+    return f"client requests: {total}, failed: {failed}   logs: {paths.logs_hint}"
 
 
 def view(ro: dict[str, Any] | None, events: Sequence[dict[str, Any]], pods: Sequence[dict[str, Any]],
          stats: TrafficStats | None, paths: DemoPaths) -> Group:
     """A rollout as `graft rollout status` shows it, then the cluster's pods and the client traffic."""
     rollout = render_status(ro, events=events, pods=pods) if ro is not None else Panel("waiting for the rollout ...")
-    return Group(rollout, pods_table(pods, stats), footer(stats, paths))
+    return Group(header(stats, paths), rollout, pods_table(pods, stats))
 
 
 def join_view(join: Join, pods: Sequence[dict[str, Any]], fleet: dict[str, Any] | None,
@@ -254,7 +255,7 @@ def join_view(join: Join, pods: Sequence[dict[str, Any]], fleet: dict[str, Any] 
     converged = next((c for c in ((fleet or {}).get("status") or {}).get("conditions") or []
                       if c.get("type") == "Converged"), {})
     head.add_row(f"PatchFleet {FLEET}", converged.get("message") or "-")
-    return Group(Panel(head, title="the fleet's durable state"), pods_table(pods, stats), footer(stats, paths))
+    return Group(header(stats, paths), Panel(head, title="the fleet's durable state"), pods_table(pods, stats))
 
 
 # the cluster
