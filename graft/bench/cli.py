@@ -1,4 +1,4 @@
-"""`graft bench [all|throughput|patches|apply]`: run the suites, print tables, write JSON and PNGs."""
+"""`graft bench [all|throughput|patches|apply|kernels]`: run the suites, print tables, write JSON and PNGs."""
 from __future__ import annotations
 
 import argparse
@@ -7,11 +7,15 @@ import os
 from pathlib import Path
 
 from graft.bench import report
+from graft.bench.args import MAX_LOAD
 from graft.bench.data import resolve_data_dir
-from graft.bench.engine import EngineOptions
+from graft.bench.llama_server import BaselineUnavailable
+from graft.bench.method import MachineBusy, check_load
+from graft.engine.config import config_from_args, engine_argv
 from graft.engine.patches.base import parse_patch_list
 
-SUITES = ("throughput", "patches", "apply")
+SUITES = ("throughput", "patches", "apply")    # what `all` runs; `kernels` is asked for by name
+EXIT_BAD_INPUT, EXIT_BUSY = 2, 3
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -21,25 +25,38 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     # a malformed list fails here, not after minutes of benchmarking
     patches = parse_patch_list(args.patches)
-    if not patches and args.suite != "throughput":
+    if not patches and args.suite in ("patches", "apply"):
         raise ValueError(f"the {args.suite} suite needs patches to compare and apply: --patches names none")
+    if args.baseline_engine_args and args.baseline != "engine":
+        raise ValueError("--baseline-engine-args is for --baseline engine")
 
 
-def _engine_options(args: argparse.Namespace) -> EngineOptions:
-    patches = "" if args.patches == "base" else args.patches
-    return EngineOptions(model=args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
-                         max_num_seqs=max(16, args.concurrency), max_num_batched_tokens=args.max_num_batched_tokens,
-                         patches=patches)
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine's `graft serve` flags: the ones given (none: the out-of-the-box engine), with room
+    for every request in flight."""
+    flags = engine_argv(args)
+    if args.concurrency > args.max_num_seqs:
+        flags += ["--max-num-seqs", str(args.concurrency),
+                  "--max-num-batched-tokens", str(max(args.concurrency, args.max_num_batched_tokens))]
+    return flags
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the chosen suite(s); 0 when every benchmark request succeeded, 1 otherwise, 2 on bad input."""
+    """Run the chosen suite(s): 0 when every benchmark request succeeded, 1 otherwise, 2 on bad
+    input, 3 when the machine is too busy (see --allow-load)."""
     try:
         _check(args)
-        data_dir = str(resolve_data_dir(args.data_dir))
+        config = config_from_args(args)     # also resolves --dtype auto, for the baseline to match
+        data_dir = None if args.suite == "kernels" else str(resolve_data_dir(args.data_dir))
     except (ValueError, FileNotFoundError) as exc:
         report.console.print(f"[red]graft bench: {exc}[/]")
-        return 2
+        return EXIT_BAD_INPUT
+    try:
+        load = check_load(MAX_LOAD, args.allow_load)
+    except MachineBusy as exc:
+        report.console.print(f"[red]graft bench: {exc}[/]")
+        return EXIT_BUSY
+    report.console.log(f"1-minute load average {load:.2f}")
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per benchmark request
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -50,26 +67,33 @@ def main(args: argparse.Namespace) -> int:
     errors = 0
     for suite in suites:
         report.console.rule(f"graft bench {suite}")
-        errors += _run(suite, args, data_dir, out)
+        try:
+            errors += _run(suite, args, config.dtype, data_dir, out)
+        except BaselineUnavailable as exc:
+            report.console.print(f"[red]graft bench: {exc}[/]")
+            return EXIT_BAD_INPUT
     report.console.print(f"results in {out}/")
     return 1 if errors else 0
 
 
-def _run(suite: str, args: argparse.Namespace, data_dir: str, out: Path) -> int:
-    """One suite; returns how many benchmark requests failed."""
+def _run(suite: str, args: argparse.Namespace, dtype: str, data_dir: str | None, out: Path) -> int:
+    """One suite; returns how many benchmark requests (or kernel cases) failed."""
+    if suite == "kernels":
+        from graft.bench.kernels import run_kernels
+        return run_kernels(out / "kernels.json", quick=args.quick, budget_s=args.budget_s)
     if suite == "throughput":
         from graft.bench.throughput import ThroughputConfig, run_throughput
         workloads = ["mixed", "one-task"] if args.workload == "both" else [args.workload]
         result = run_throughput(ThroughputConfig(
             num_prompts=args.num_prompts, concurrency=args.concurrency, max_tokens=args.max_tokens,
-            workloads=workloads, task=args.task, data_dir=data_dir, baseline=not args.no_baseline,
-            engine=_engine_options(args)), out)
-        return sum(w["engine"].errors for w in result["workloads"].values())
+            workloads=workloads, task=args.task, data_dir=data_dir, rounds=args.rounds, baseline=args.baseline,
+            engine_args=engine_flags(args), baseline_engine_args=args.baseline_engine_args, model=args.model,
+            dtype=dtype), out)
+        return sum(p["errors"] for w in result["workloads"].values() for p in w["passes"])
     from graft.bench.patches import PatchesConfig, run_apply, run_patches
     cfg = PatchesConfig(num_prompts=args.num_prompts, concurrency=args.concurrency, max_tokens=args.max_tokens,
                         rounds=args.rounds, cycles=args.cycles, light_concurrency=args.light_concurrency,
-                        patch_set=args.patches if args.patches != "base" else "", data_dir=data_dir,
-                        engine=_engine_options(args))
+                        patch_set=args.patches, data_dir=data_dir, engine_args=engine_flags(args), dtype=dtype)
     if suite == "patches":
         result = run_patches(cfg, out)
         return result["plain"]["errors"] + result["patched"]["errors"]

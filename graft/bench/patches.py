@@ -12,6 +12,7 @@ patch's self-check probe).
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ from typing import Any
 from graft.bench import report
 from graft.bench.args import PATCH_SET
 from graft.bench.data import Prompt, bbh_prompts
-from graft.bench.engine import AdminClient, EngineOptions, EngineServer
 from graft.bench.loadgen import LoadGenerator, LoadReport, Request, percentile
+from graft.bench.method import alternation, load_average, ratio_spread
+from graft.engine.launcher import EngineProcess, launch_engine
 from graft.engine.patches.base import parse_patch_list
+from graft.operator.admin import AdminClient, AdminError
 
 WARMUP = Request("The capital of France is", max_tokens=4)
 LIGHT_TASK = "sports_understanding"   # the shortest BBH prompts (~240 tokens): steps stay short
@@ -37,7 +40,8 @@ class PatchesConfig:
     light_concurrency: int = 2
     patch_set: str = PATCH_SET
     data_dir: str | None = None
-    engine: EngineOptions = field(default_factory=EngineOptions)
+    engine_args: list[str] = field(default_factory=list)   # `graft serve` flags; `--paths plain` is added
+    dtype: str = "bfloat16"                                 # the engine's resolved dtype, for the report
 
     @property
     def patch_list(self) -> list[tuple[str, str]]:
@@ -51,56 +55,103 @@ def long_prompts(n: int, data_dir: str | None) -> list[Prompt]:
     return sorted(prompts, key=lambda p: len(p.text), reverse=True)[:n]
 
 
-def _server(opts: EngineOptions, cfg: PatchesConfig, prefix_caching: bool) -> EngineServer:
-    opts.patches = ""                      # both suites start from the plain 3.2.0 paths
-    opts.prefix_caching = prefix_caching
-    opts.max_num_seqs = max(opts.max_num_seqs, cfg.concurrency, cfg.light_concurrency)
-    with report.status(f"starting graft serve ({opts.dtype}, plain 3.2.0 paths)"):
-        return EngineServer(opts).start()
+def _server(cfg: PatchesConfig, prefix_caching: bool) -> EngineProcess:
+    """An engine on the plain 3.2.0 paths, the ones the 3.2.1 patches fix, with room for the load."""
+    args = [*cfg.engine_args, "--paths", "plain",
+            "--max-num-seqs", str(max(16, cfg.concurrency, cfg.light_concurrency))]
+    if not prefix_caching:
+        args.append("--no-prefix-caching")
+    with report.status(f"starting graft serve ({cfg.dtype}, plain 3.2.0 paths)"):
+        return launch_engine(args, env={"GRAFT_PATCHES": ""})
+
+
+@dataclass(frozen=True, slots=True)
+class AdminCall:
+    """One admin call: the engine's own answer and the client-side round trip."""
+
+    answer: dict[str, Any]
+    round_trip_ms: float
+
+    @property
+    def apply_ms(self) -> float:
+        return float(self.answer["applyMs"])
+
+
+class TimedAdmin(AdminClient):
+    """The operator's admin client on one engine, giving each call's whole answer and round trip.
+
+    No retries: a retried call would time two calls as one.
+    """
+
+    def __init__(self, engine: EngineProcess):
+        super().__init__(engine.token, timeout=120.0, retries=0)
+        self.host, self.port = engine.host, engine.admin_port
+
+    async def __aenter__(self) -> "TimedAdmin":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def patches(self) -> dict[str, Any]:
+        return await self._call("GET", self.host, self.port, "/admin/patches")
+
+    async def _timed(self, method: str, path: str, **kwargs: Any) -> AdminCall:
+        t0 = time.perf_counter()
+        answer = await self._call(method, self.host, self.port, path, **kwargs)
+        return AdminCall(answer, (time.perf_counter() - t0) * 1000)
+
+    async def apply_builtin(self, name: str, version: str) -> AdminCall:
+        return await self._timed("POST", "/admin/patches",
+                                 json={"name": name, "version": version, "source": {"builtin": True}})
+
+    async def revert_patch(self, name: str) -> AdminCall:
+        return await self._timed("DELETE", f"/admin/patches/{name}")
 
 
 # ---- suite: patches ----
 
-async def _apply_set(admin: AdminClient, patch_list: list[tuple[str, str]]) -> tuple[list[str], dict[str, str]]:
+async def _apply_set(admin: TimedAdmin, patch_list: list[tuple[str, str]]) -> tuple[list[str], dict[str, str]]:
     """Apply what applies; a patch the engine refuses is reported, not fatal."""
     applied, refused = [], {}
     for name, version in patch_list:
         try:
-            await admin.apply(name, version)
+            await admin.apply_builtin(name, version)
             applied.append(f"{name}@{version}")
-        except RuntimeError as exc:
+        except AdminError as exc:
             refused[f"{name}@{version}"] = str(exc)
             report.console.log(f"[yellow]{name}@{version} not applied[/]: {exc}")
     return applied, refused
 
 
-async def _revert_all(admin: AdminClient) -> None:
+async def _revert_all(admin: TimedAdmin) -> None:
     for entry in (await admin.patches())["applied"]:
-        await admin.revert(entry["name"])
+        await admin.revert_patch(entry["name"])
 
 
-async def _compare(server: EngineServer, cfg: PatchesConfig, prompts: list[str]) -> dict[str, Any]:
+async def _compare(server: EngineProcess, cfg: PatchesConfig, prompts: list[str]) -> dict[str, Any]:
     requests = [Request(p, cfg.max_tokens) for p in prompts]
     passes: dict[str, list[LoadReport]] = {"3.2.0": [], "3.2.1": []}
     cpu: dict[str, list[float]] = {"3.2.0": [], "3.2.1": []}
+    loads: dict[str, list[tuple[float, float]]] = {"3.2.0": [], "3.2.1": []}   # load average before, after
     applied: list[str] = []
     refused: dict[str, str] = {}
-    async with LoadGenerator(server.url) as gen, server.admin() as admin:
+    async with LoadGenerator(server.url) as gen, TimedAdmin(server) as admin:
         # one long prompt first, so the first measured pass does not pay for first-touch allocations
         await gen.run([WARMUP, Request(prompts[0], 2)], 1)
-        for r in range(cfg.rounds):
-            for label in ("3.2.0", "3.2.1"):
-                if label == "3.2.1":
-                    applied, refused = await _apply_set(admin, cfg.patch_list)
-                cpu0 = server.cpu_seconds()
-                with report.progress_bar(f"{label} round {r + 1}/{cfg.rounds}", len(requests)) as advance:
-                    passes[label].append(await gen.run(requests, cfg.concurrency, on_result=lambda _: advance(1)))
-                cpu1 = server.cpu_seconds()
-                if cpu0 is not None and cpu1 is not None:
-                    cpu[label].append(cpu1 - cpu0)
-                if label == "3.2.1":
-                    await _revert_all(admin)
-    return {"passes": passes, "cpu": cpu, "applied": applied, "refused": refused}
+        for r, label in alternation(cfg.rounds, ("3.2.0", "3.2.1")):
+            if label == "3.2.1":
+                applied, refused = await _apply_set(admin, cfg.patch_list)
+            cpu0, load0 = server.cpu_seconds(), load_average()
+            with report.progress_bar(f"{label} round {r + 1}/{cfg.rounds}", len(requests)) as advance:
+                passes[label].append(await gen.run(requests, cfg.concurrency, on_result=lambda _: advance(1)))
+            cpu1 = server.cpu_seconds()
+            loads[label].append((load0, load_average()))
+            if cpu0 is not None and cpu1 is not None:
+                cpu[label].append(cpu1 - cpu0)
+            if label == "3.2.1":
+                await _revert_all(admin)
+    return {"passes": passes, "cpu": cpu, "loads": loads, "applied": applied, "refused": refused}
 
 
 def _merge(reports: list[LoadReport], cpu: list[float]) -> dict[str, Any]:
@@ -123,7 +174,7 @@ def run_patches(cfg: PatchesConfig, out: Path) -> dict[str, Any]:
     """Plain paths against the 3.2.1 set on the same engine process; JSON and plots under `out`."""
     machine = report.machine_info()
     prompts = long_prompts(cfg.num_prompts, cfg.data_dir)
-    server = _server(cfg.engine, cfg, prefix_caching=False)
+    server = _server(cfg, prefix_caching=False)
     try:
         measured = asyncio.run(_compare(server, cfg, [p.text for p in prompts]))
     finally:
@@ -132,12 +183,15 @@ def run_patches(cfg: PatchesConfig, out: Path) -> dict[str, Any]:
     fixed = _merge(measured["passes"]["3.2.1"], measured["cpu"]["3.2.1"])
     result = {"suite": "patches", "command": report.command_line(), "machine": machine,
               "config": {"num_prompts": cfg.num_prompts, "concurrency": cfg.concurrency,
-                         "max_tokens": cfg.max_tokens, "rounds": cfg.rounds, "dtype": cfg.engine.dtype,
-                         "patch_set": cfg.patch_set, "engine_args": cfg.engine.argv(),
+                         "max_tokens": cfg.max_tokens, "rounds": cfg.rounds, "dtype": cfg.dtype,
+                         "patch_set": cfg.patch_set, "engine_args": cfg.engine_args,
                          "tasks": sorted({p.task for p in prompts})},
               "prompt_tokens_mean": plain["passes"][0].prompt_tokens / max(1, plain["passes"][0].requests),
               "applied": measured["applied"], "refused": measured["refused"],
               "plain": plain, "patched": fixed, "ratio": fixed["output_tok_s"] / plain["output_tok_s"],
+              "ratio_spread": ratio_spread([s.output_tok_s for s in fixed["passes"]],
+                                           [s.output_tok_s for s in plain["passes"]]).as_dict(),
+              "load_before_after": measured["loads"],
               "p99_latency_ratio": fixed["latency_p99"] / plain["latency_p99"],
               "cpu_ratio": (fixed["tok_per_cpu_s"] / plain["tok_per_cpu_s"]
                             if fixed["tok_per_cpu_s"] and plain["tok_per_cpu_s"] else None)}
@@ -148,7 +202,7 @@ def run_patches(cfg: PatchesConfig, out: Path) -> dict[str, Any]:
                            {"3.2.0 plain paths": plain["output_tok_s"], label: fixed["output_tok_s"]},
                            baseline="3.2.0 plain paths",
                            title=f"long BBH prompts (~{result['prompt_tokens_mean']:.0f} tokens), "
-                                 f"concurrency {cfg.concurrency}, {cfg.max_tokens} new tokens, {cfg.engine.dtype}")
+                                 f"concurrency {cfg.concurrency}, {cfg.max_tokens} new tokens, {cfg.dtype}")
     report.plot_cdf(out / "patches-latency-cdf.png", {"3.2.0": plain["latency"], "3.2.1": fixed["latency"]},
                     xlabel="end-to-end latency (s)", title="request latency, plain vs patched")
     report.write_json(out / "patches.json", result)
@@ -163,18 +217,20 @@ def show_patches(result: dict[str, Any]) -> None:
     report.show(report.kv_table("3.2.1 set against the plain paths", [
         ("applied", ", ".join(result["applied"]) or "none"),
         ("refused", "; ".join(f"{k}: {v}" for k, v in result["refused"].items()) or "none"),
-        ("throughput ratio", f"{result['ratio']:.2f}x"),
+        ("throughput ratio (mean of passes)", f"{result['ratio']:.2f}x"),
+        ("per-round ratio", f"median {result['ratio_spread']['median']:.2f}x, min {result['ratio_spread']['min']:.2f}, "
+                            f"max {result['ratio_spread']['max']:.2f}"),
         ("tokens per engine CPU-second ratio", f"{result['cpu_ratio']:.2f}x" if result["cpu_ratio"] else "-"),
         ("p99 latency ratio", f"{result['p99_latency_ratio']:.2f}x")]))
 
 
 # ---- suite: apply ----
 
-async def _cycles(server: EngineServer, cfg: PatchesConfig, light: list[Request]) -> dict[str, Any]:
+async def _cycles(server: EngineProcess, cfg: PatchesConfig, light: list[Request]) -> dict[str, Any]:
     samples: dict[str, dict[str, list[float]]] = {}
     refused: dict[str, str] = {}
     stop = asyncio.Event()
-    async with LoadGenerator(server.url) as gen, server.admin() as admin:
+    async with LoadGenerator(server.url) as gen, TimedAdmin(server) as admin:
         await gen.run([WARMUP], 1)
         load = asyncio.create_task(gen.run_until(stop, light, cfg.light_concurrency))
         try:
@@ -186,13 +242,13 @@ async def _cycles(server: EngineServer, cfg: PatchesConfig, light: list[Request]
                             advance(1)
                             continue
                         try:
-                            on = await admin.apply(name, version)
-                        except RuntimeError as exc:
+                            on = await admin.apply_builtin(name, version)
+                        except AdminError as exc:
                             refused[pid] = str(exc)
                             report.console.log(f"[yellow]{pid} refused, left out[/]: {exc}")
                             advance(1)
                             continue
-                        off = await admin.revert(name)
+                        off = await admin.revert_patch(name)
                         s = samples.setdefault(pid, {"apply_ms": [], "revert_ms": [], "apply_rtt_ms": [],
                                                      "revert_rtt_ms": [], "verify_ms": []})
                         s["apply_ms"].append(on.apply_ms)
@@ -216,7 +272,7 @@ def run_apply(cfg: PatchesConfig, out: Path) -> dict[str, Any]:
     """Apply/revert latency of each patch under light load; JSON and a histogram under `out`."""
     machine = report.machine_info()
     light = [Request(p.text, 32) for p in bbh_prompts(cfg.data_dir, tasks=[LIGHT_TASK], per_task=8)]
-    server = _server(cfg.engine, cfg, prefix_caching=True)
+    server = _server(cfg, prefix_caching=True)
     try:
         measured = asyncio.run(_cycles(server, cfg, light))
     finally:
@@ -225,9 +281,9 @@ def run_apply(cfg: PatchesConfig, out: Path) -> dict[str, Any]:
     all_apply = [x for s in measured["samples"].values() for x in s["apply_ms"]]
     all_revert = [x for s in measured["samples"].values() for x in s["revert_ms"]]
     result = {"suite": "apply", "command": report.command_line(), "machine": machine,
-              "config": {"cycles": cfg.cycles, "patch_set": cfg.patch_set, "dtype": cfg.engine.dtype,
+              "config": {"cycles": cfg.cycles, "patch_set": cfg.patch_set, "dtype": cfg.dtype,
                          "light_concurrency": cfg.light_concurrency, "light_task": LIGHT_TASK,
-                         "engine_args": cfg.engine.argv()},
+                         "engine_args": cfg.engine_args},
               "refused": measured["refused"], "per_patch": per_patch,
               "apply_ms": _stats(all_apply), "revert_ms": _stats(all_revert),
               "background_load": measured["load"], "samples": measured["samples"]}
@@ -238,7 +294,7 @@ def run_apply(cfg: PatchesConfig, out: Path) -> dict[str, Any]:
                           | {"revert (all)": all_revert},
                           xlabel="swap time reported by the engine, applyMs (ms)", limit=8.0,
                           title=f"hot-patch swap time, {cfg.cycles} apply/revert cycles per patch under light "
-                                f"load, {cfg.engine.dtype}")
+                                f"load, {cfg.dtype}")
     report.plot_histogram(out / "apply-roundtrip.png",
                           {f"{pid} apply": s["apply_rtt_ms"] for pid, s in measured["samples"].items()}
                           | {"revert (all)": [x for s in measured["samples"].values() for x in s["revert_rtt_ms"]]},

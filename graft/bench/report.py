@@ -6,6 +6,7 @@ presentation code and the plots can be redrawn from the JSON alone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -100,16 +101,23 @@ def command_line() -> str:
 
 # ---- files ----
 
+def plain(obj: Any) -> Any:
+    """Plain JSON data from results: dataclasses and `as_dict()` objects unfolded, NaN as None."""
+    return _clean(obj)
+
+
 def _clean(obj: Any) -> Any:
     """JSON has no NaN: write null for missing measurements."""
+    if hasattr(obj, "as_dict"):
+        return _clean(obj.as_dict())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _clean(dataclasses.asdict(obj))
     if isinstance(obj, float):
         return None if math.isnan(obj) or math.isinf(obj) else obj
     if isinstance(obj, Mapping):
         return {str(k): _clean(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_clean(v) for v in obj]
-    if isinstance(obj, Summary):
-        return _clean(obj.as_dict())
     return obj
 
 
@@ -182,6 +190,35 @@ def plot_throughput(path: str | os.PathLike, bars: Mapping[str, float], *, basel
     ax.set_title(_wrap(title, 60), fontsize=10)
     ax.set_ylim(0, max(values) * 1.25 if values and max(values) > 0 else 1)
     ax.tick_params(axis="x", labelsize=8)
+    return _save(fig, plt, path)
+
+
+def plot_passes(path: str | os.PathLike, passes: Sequence[Mapping[str, Any]], ratio: Mapping[str, Any] | None, *,
+                names: Mapping[str, str], title: str) -> Path:
+    """Every pass in the order it ran, one colour per side, each labelled with its throughput and
+    the load average before it; the title carries the median ratio and its spread."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(passes) + 2), 4))
+    colors = {"engine": "#2f6fb0", "baseline": "#9aa5b1"}
+    xs = list(range(1, len(passes) + 1))
+    values = [p["output_tok_s"] for p in passes]
+    rects = ax.bar(xs, values, color=[colors.get(p["side"], "#d08030") for p in passes])
+    for rect, p in zip(rects, passes):
+        ax.annotate(f"{p['output_tok_s']:.3g}\nload {p['load_before']:.1f}",
+                    (rect.get_x() + rect.get_width() / 2, rect.get_height()), ha="center", va="bottom",
+                    fontsize=8, xytext=(0, 2), textcoords="offset points")
+    for side, color in colors.items():
+        if any(p["side"] == side for p in passes):
+            ax.bar([0], [0], color=color, label=names.get(side, side))
+    ax.set_xticks(xs, [f"{i}\nround {p['round'] + 1}" for i, p in zip(xs, passes)], fontsize=8)
+    ax.set_xlim(0.4, len(passes) + 0.6)
+    ax.set_ylim(0, max(values, default=1.0) * 1.3 or 1.0)
+    ax.set_ylabel("output tokens/s")
+    ax.legend(fontsize=8, loc="lower right")
+    if ratio:
+        title += (f" | engine / {names.get('baseline', 'baseline')}: median {ratio['median']:.2f}x "
+                  f"(min {ratio['min']:.2f}, max {ratio['max']:.2f})")
+    ax.set_title(_wrap(title, 70), fontsize=9)
     return _save(fig, plt, path)
 
 

@@ -1,10 +1,18 @@
-"""Suite `throughput`: the engine against Hugging Face transformers on BBH chain-of-thought prompts.
+"""Suite `throughput`: the engine against a baseline on BBH chain-of-thought prompts.
 
-For each workload the engine runs in a fresh `graft serve` process (production configuration: the
-3.2.1 patches applied through GRAFT_PATCHES), takes N prompts at concurrency C with greedy
-decoding and exactly M new tokens each, and is stopped; then transformers generates the same
-prompts in batches of C, with the same dtype, in this process. Both run one after the other, never
-at the same time, and the ratio is taken within the run, so a slower or busier machine moves both.
+Each pass sends N prompts at concurrency C with greedy decoding and exactly M new tokens each.
+An engine pass starts a fresh `graft serve` with this run's engine flags (none given: the
+out-of-the-box engine), warms it up with one short request, measures, and stops it. The baseline
+is one of:
+
+- `transformers`: `generate` on the same model file and dtype, batches of C, in this process;
+- `llama-server`: llama.cpp's server on the same GGUF, C parallel slots (when it is on PATH);
+- `engine`: a second `graft serve` with `--baseline-engine-args` on top (prefix caching off, the
+  plain 3.2.0 paths, another token budget, ...).
+
+Passes alternate engine, baseline, engine, baseline, ... for `--rounds` rounds (see
+graft/bench/method.py); the report gives the median per-round ratio with its min and max, and
+the 1-minute load average before and after every pass.
 
 Workloads: `mixed` takes prompts round-robin over all BBH tasks (no shared prefix); `one-task`
 takes N examples of one task, which share the task's 3-shot prefix (the engine's prefix cache
@@ -13,21 +21,19 @@ reuses it; transformers recomputes it for every prompt).
 from __future__ import annotations
 
 import asyncio
-import os
-import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from graft.bench import report
 from graft.bench.args import ONE_TASK
-from graft.bench.baseline import hf_generate
 from graft.bench.data import Prompt, bbh_prompts, mixed_bbh_prompts
-from graft.bench.engine import EngineOptions, EngineServer
 from graft.bench.loadgen import LoadGenerator, LoadReport, Request
+from graft.bench.method import alternation, load_average, ratio_spread
+from graft.engine.launcher import launch_engine
 
 WARMUP = Request("The capital of France is", max_tokens=4)
-REFUSED = re.compile(r"GRAFT_PATCHES: cannot apply (\S+?): (.*)")
 
 
 @dataclass(slots=True)
@@ -38,8 +44,12 @@ class ThroughputConfig:
     workloads: list[str] = field(default_factory=lambda: ["mixed", "one-task"])
     task: str = ONE_TASK
     data_dir: str | None = None
-    baseline: bool = True
-    engine: EngineOptions = field(default_factory=EngineOptions)
+    rounds: int = 1
+    baseline: str = "transformers"              # transformers | llama-server | engine | none
+    engine_args: list[str] = field(default_factory=list)           # `graft serve` flags of the engine
+    baseline_engine_args: list[str] = field(default_factory=list)  # added for --baseline engine
+    model: str | None = None
+    dtype: str = "bfloat16"                     # the engine's resolved dtype: transformers runs in it too
 
 
 def workload_prompts(kind: str, n: int, data_dir: str | None, task: str) -> list[Prompt]:
@@ -55,123 +65,166 @@ def workload_prompts(kind: str, n: int, data_dir: str | None, task: str) -> list
 
 
 @dataclass(slots=True)
-class EngineRun:
-    report: LoadReport
-    cpu_s: float | None        # CPU time the engine process spent on the measured requests
-    load_before: float         # 1-minute load average when the run started (noise indicator)
+class Pass:
+    """One measured pass of one side."""
+
+    side: str
+    round: int
+    output_tok_s: float
+    errors: int
+    load_before: float
+    load_after: float
+    cpu_s: float | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+    ttft: list[float] = field(default_factory=list)
 
 
-async def measure_engine(server: EngineServer, prompts: list[str], concurrency: int, max_tokens: int,
-                         label: str) -> EngineRun:
-    """Warm the engine up with one short request, then send every prompt at `concurrency`."""
-    async with LoadGenerator(server.url) as gen:
+# ---- the sides ----
+
+async def _serve_pass(url: str, prompts: list[str], cfg: ThroughputConfig, label: str,
+                      cpu: Callable[[], float | None] = lambda: None) -> tuple[LoadReport, float | None]:
+    """Warm an OpenAI server up with one short request, then send every prompt at the concurrency."""
+    async with LoadGenerator(url) as gen:
         warm = await gen.run([WARMUP], 1)
         if warm.errors:
-            raise RuntimeError(f"the engine failed its warm-up request: {warm.errors[0].error}")
-        load, cpu0 = os.getloadavg()[0], server.cpu_seconds()
+            raise RuntimeError(f"{label}: the warm-up request failed: {warm.errors[0].error}")
+        cpu0 = cpu()
         with report.progress_bar(label, len(prompts)) as advance:
-            rep = await gen.run([Request(p, max_tokens) for p in prompts], concurrency,
+            rep = await gen.run([Request(p, cfg.max_tokens) for p in prompts], cfg.concurrency,
                                 on_result=lambda _: advance(1))
-        cpu1 = server.cpu_seconds()
-    return EngineRun(rep, None if cpu0 is None or cpu1 is None else cpu1 - cpu0, load)
+        cpu1 = cpu()
+    return rep, None if cpu0 is None or cpu1 is None else cpu1 - cpu0
 
 
-def start_patched(opts: EngineOptions, refused: dict[str, str]) -> EngineServer:
-    """Start the engine with GRAFT_PATCHES; a patch it refuses at start-up is dropped (and recorded
-    in `refused`) and the engine started again without it, so the run measures what really serves."""
-    while True:
-        try:
-            with report.status(f"starting graft serve ({opts.dtype}, patches: {opts.patches or 'none'})"):
-                return EngineServer(opts).start()
-        except RuntimeError as exc:
-            found = REFUSED.search(str(exc))
-            if not found:
-                raise
-        patch, why = found.group(1), found.group(2).strip()
-        refused[patch] = why
-        report.console.log(f"[yellow]the engine refused {patch}, measuring without it[/]: {why}")
-        opts.patches = ",".join(p for p in opts.patches.split(",") if p.strip() != patch)
+def _from_report(side: str, r: int, rep: LoadReport, cpu_s: float | None, load: float) -> Pass:
+    s = rep.summary()
+    return Pass(side, r, s.output_tok_s, s.errors, load, load_average(), cpu_s, s.as_dict(), rep.ttfts())
 
 
-def run_engine(cfg: ThroughputConfig, prompts: list[str], label: str, refused: dict[str, str]) -> EngineRun:
-    """A fresh engine for one workload, so nothing cached by an earlier workload helps it."""
-    opts = cfg.engine
-    opts.max_num_seqs = max(opts.max_num_seqs, cfg.concurrency)
-    server = start_patched(opts, refused)
+def engine_pass(args: list[str], side: str, r: int, prompts: list[str], cfg: ThroughputConfig, label: str) -> Pass:
+    """A fresh `graft serve` with `args` (no patches through GRAFT_PATCHES), measured and stopped."""
+    with report.status(f"starting graft serve {' '.join(args) or '(no flags)'}"):
+        eng = launch_engine(args, env={"GRAFT_PATCHES": ""})
     try:
-        return asyncio.run(measure_engine(server, prompts, cfg.concurrency, cfg.max_tokens, label))
+        load = load_average()
+        rep, cpu_s = asyncio.run(_serve_pass(eng.url, prompts, cfg, label, eng.cpu_seconds))
     finally:
-        server.stop()
+        eng.stop()
+    return _from_report(side, r, rep, cpu_s, load)
 
 
-def _entry(run: EngineRun, prompts: list[Prompt], cfg: ThroughputConfig, label: str) -> dict[str, Any]:
-    s = run.report.summary()
-    entry: dict[str, Any] = {"engine": s, "engine_cpu_s": run.cpu_s, "engine_load_before": run.load_before,
-                             "engine_ttft": run.report.ttfts(), "engine_latency": run.report.latencies(),
-                             "tasks": sorted({p.task for p in prompts})}
-    if run.cpu_s:
-        entry["engine_tok_per_cpu_s"] = s.output_tokens / run.cpu_s
-    if cfg.baseline:
+def llama_server_pass(r: int, prompts: list[str], cfg: ThroughputConfig, label: str) -> Pass:
+    from graft.bench.llama_server import LlamaServer
+    with report.status("starting llama-server"), LlamaServer(cfg.model, cfg.concurrency) as srv:
+        load = load_average()
+        rep, _ = asyncio.run(_serve_pass(srv.url, prompts, cfg, label))
+    return _from_report("baseline", r, rep, None, load)
+
+
+class Sides:
+    """Runs one pass of either side; holds what lives across passes (the loaded transformers model)."""
+
+    def __init__(self, cfg: ThroughputConfig):
+        self.cfg = cfg
+        self._hf = None
+        if cfg.baseline == "llama-server":
+            from graft.bench.llama_server import gguf_file, llama_server_binary
+            llama_server_binary(), gguf_file(cfg.model)   # refuse before any pass runs
+
+    def run(self, side: str, r: int, prompts: list[str], label: str) -> Pass:
+        cfg = self.cfg
+        if side == "engine":
+            return engine_pass(cfg.engine_args, side, r, prompts, cfg, label)
+        if cfg.baseline == "engine":
+            return engine_pass([*cfg.engine_args, *cfg.baseline_engine_args], side, r, prompts, cfg, label)
+        if cfg.baseline == "llama-server":
+            return llama_server_pass(r, prompts, cfg, label)
+        if cfg.baseline == "transformers":
+            return self._transformers(r, prompts, label)
+        raise ValueError(f"unknown baseline {cfg.baseline!r}")
+
+    def _transformers(self, r: int, prompts: list[str], label: str) -> Pass:
+        from graft.bench.baseline import HFBaseline
+        if self._hf is None:
+            self._hf = HFBaseline(self.cfg.model, self.cfg.dtype)
+        load = load_average()
         with report.progress_bar(label, len(prompts)) as advance:
-            hf = hf_generate([p.text for p in prompts], model=cfg.engine.model, dtype=cfg.engine.dtype,
-                             batch_size=cfg.concurrency, max_new_tokens=cfg.max_tokens, on_batch=advance)
-        entry["transformers"] = hf.as_dict()
-        entry["ratio"] = s.output_tok_s / hf.output_tok_s
-        if run.cpu_s:
-            entry["cpu_ratio"] = entry["engine_tok_per_cpu_s"] / hf.tok_per_cpu_s
+            hf = self._hf.generate(prompts, batch_size=self.cfg.concurrency, max_new_tokens=self.cfg.max_tokens,
+                                   on_batch=advance)
+        return Pass("baseline", r, hf.output_tok_s, 0, load, load_average(), hf.cpu_s, hf.as_dict())
+
+
+# ---- the suite ----
+
+def run_workload(kind: str, prompts: list[Prompt], cfg: ThroughputConfig, sides: Sides) -> dict[str, Any]:
+    """Every pass of one workload, alternating sides round by round."""
+    texts = [p.text for p in prompts]
+    order = ("engine", "baseline") if cfg.baseline != "none" else ("engine",)
+    passes = [sides.run(side, r, texts, f"{side} {kind}, round {r + 1}/{cfg.rounds}")
+              for r, side in alternation(cfg.rounds, order)]
+    entry: dict[str, Any] = {"tasks": sorted({p.task for p in prompts}), "passes": passes}
+    engine = [p.output_tok_s for p in passes if p.side == "engine"]
+    entry["engine_tok_s"] = engine
+    if cfg.baseline != "none":
+        base = [p.output_tok_s for p in passes if p.side == "baseline"]
+        entry["baseline_tok_s"] = base
+        entry["ratio"] = ratio_spread(engine, base)
     return entry
 
 
 def run_throughput(cfg: ThroughputConfig, out: Path) -> dict[str, Any]:
-    """Run every workload on the engine, then on transformers; write JSON and plots under `out`."""
-    requested = cfg.engine.patches
-    refused: dict[str, str] = {}
-    result: dict[str, Any] = {"suite": "throughput", "command": report.command_line(),
-                              "machine": report.machine_info(),
-                              "config": {"num_prompts": cfg.num_prompts, "concurrency": cfg.concurrency,
-                                         "max_tokens": cfg.max_tokens, "dtype": cfg.engine.dtype,
-                                         "task": cfg.task},
-                              "workloads": {}}
-    prompts = {kind: workload_prompts(kind, cfg.num_prompts, cfg.data_dir, cfg.task) for kind in cfg.workloads}
-    runs = {kind: run_engine(cfg, [p.text for p in ps], f"engine {kind}", refused) for kind, ps in prompts.items()}
-    result["config"] |= {"patches_requested": requested or "base", "patches": cfg.engine.patches or "base",
-                         "patches_refused": refused, "engine_args": cfg.engine.argv()}
-    for kind, run in runs.items():
-        result["workloads"][kind] = _entry(run, prompts[kind], cfg, f"transformers {kind}")
+    """Run every workload; write JSON and plots under `out`."""
+    sides = Sides(cfg)
+    result: dict[str, Any] = {
+        "suite": "throughput", "command": report.command_line(), "machine": report.machine_info(),
+        "config": {"num_prompts": cfg.num_prompts, "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens,
+                   "rounds": cfg.rounds, "dtype": cfg.dtype, "task": cfg.task, "baseline": cfg.baseline,
+                   "engine_args": cfg.engine_args, "baseline_engine_args": cfg.baseline_engine_args},
+        "workloads": {}}
+    for kind in cfg.workloads:
+        prompts = workload_prompts(kind, cfg.num_prompts, cfg.data_dir, cfg.task)
+        result["workloads"][kind] = run_workload(kind, prompts, cfg, sides)
     result["machine"]["load_average_end"] = report.load_average()
-    show_throughput(result)
-    plot_throughput(result, out)
-    report.write_json(out / "throughput.json", result)
-    return result
+    data = report.plain(result)
+    show_throughput(data)
+    plot_throughput(data, out)
+    report.write_json(out / "throughput.json", data)
+    return data
+
+
+def baseline_name(config: dict[str, Any]) -> str:
+    if config["baseline"] == "engine":
+        return "engine " + " ".join(config["baseline_engine_args"])
+    return {"transformers": "transformers generate"}.get(config["baseline"], config["baseline"])
 
 
 def show_throughput(result: dict[str, Any]) -> None:
-    for patch, why in result["config"]["patches_refused"].items():
-        report.console.print(f"[yellow]measured without {patch}, which the engine refused[/]: {why}")
+    cfg = result["config"]
     for kind, entry in result["workloads"].items():
-        rows = {"engine": entry["engine"]}
-        report.show(report.summary_table(f"throughput, {kind} workload ({result['config']['dtype']})", rows))
-        if "transformers" in entry:
-            hf = entry["transformers"]
-            rows = [("batch", str(hf["batch_size"])), ("output tokens", str(hf["output_tokens"])),
-                    ("generate time s", f"{hf['duration_s']:.1f}"), ("tok/s", f"{hf['output_tok_s']:.1f}"),
-                    ("engine / transformers, tok/s", f"{entry['ratio']:.2f}x")]
-            if "cpu_ratio" in entry:
-                rows.append(("engine / transformers, tok per CPU-s", f"{entry['cpu_ratio']:.2f}x"))
-            report.show(report.kv_table(f"transformers generate, {kind}", rows))
+        from rich.table import Table
+        t = Table(title=f"throughput, {kind} workload ({cfg['dtype']}, engine flags: "
+                        f"{' '.join(cfg['engine_args']) or 'none'})", title_justify="left")
+        for col in ("pass", "side", "tok/s", "errors", "load before", "load after"):
+            t.add_column(col, justify="left" if col in ("pass", "side") else "right")
+        for i, p in enumerate(entry["passes"]):
+            side = "engine" if p["side"] == "engine" else baseline_name(cfg)
+            t.add_row(str(i + 1), side, f"{p['output_tok_s']:.1f}", str(p["errors"]), f"{p['load_before']:.2f}",
+                      f"{p['load_after']:.2f}")
+        report.show(t)
+        if "ratio" in entry:
+            ratio = entry["ratio"]
+            report.console.print(f"engine / {baseline_name(cfg)}: median [bold]{ratio['median']:.2f}x[/] "
+                                 f"(min {ratio['min']:.2f}, max {ratio['max']:.2f}, {len(ratio['per_round'])} rounds)")
 
 
 def plot_throughput(result: dict[str, Any], out: Path) -> None:
     cfg = result["config"]
     for kind, entry in result["workloads"].items():
-        if "transformers" in entry:
-            report.plot_throughput(
-                out / f"throughput-{kind}.png",
-                {"transformers generate": entry["transformers"]["output_tok_s"],
-                 "graft engine": entry["engine"].output_tok_s},
-                baseline="transformers generate",
-                title=f"BBH CoT {kind}: {cfg['num_prompts']} prompts, concurrency {cfg['concurrency']}, "
-                      f"{cfg['max_tokens']} new tokens, {cfg['dtype']}")
+        report.plot_passes(out / f"throughput-{kind}.png", entry["passes"], entry.get("ratio"),
+                           names={"engine": "graft engine", "baseline": baseline_name(cfg)},
+                           title=f"BBH CoT {kind}: {cfg['num_prompts']} prompts, concurrency {cfg['concurrency']}, "
+                                 f"{cfg['max_tokens']} new tokens, {cfg['dtype']}")
     report.plot_cdf(out / "throughput-ttft-cdf.png",
-                    {f"engine {k}": e["engine_ttft"] for k, e in result["workloads"].items()},
+                    {f"engine {k}": [x for p in e["passes"] if p["side"] == "engine" for x in p["ttft"]]
+                     for k, e in result["workloads"].items()},
                     xlabel="time to first token (s)", title="engine TTFT, all requests start together")

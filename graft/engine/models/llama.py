@@ -115,6 +115,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._qkv_pinned = False
 
     @classmethod
     def from_state_dict(
@@ -132,8 +133,13 @@ class LlamaForCausalLM(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.model.layers
 
-    def fuse_qkv(self) -> None:
-        """Concatenate each layer's q/k/v weights (and biases) for the one-matmul `linear.qkv`."""
+    def fuse_qkv(self, pin: bool = False) -> None:
+        """Concatenate each layer's q/k/v weights (and biases) for the one-matmul `linear.qkv`.
+
+        `pin` keeps them for good: an engine that runs the fast paths from the start fuses at
+        load, and reverting a patch that also fuses must not take them away from it.
+        """
+        self._qkv_pinned = self._qkv_pinned or pin
         for layer in self.layers:
             attn = layer.self_attn
             attn.qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
@@ -141,7 +147,9 @@ class LlamaForCausalLM(nn.Module):
                 attn.qkv_bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
 
     def unfuse_qkv(self) -> None:
-        """Free what `fuse_qkv` built."""
+        """Free what `fuse_qkv` built, unless it was pinned."""
+        if self._qkv_pinned:
+            return
         for layer in self.layers:
             layer.self_attn.qkv_weight = None
             layer.self_attn.qkv_bias = None

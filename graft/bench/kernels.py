@@ -1,17 +1,18 @@
-"""GPU micro-benchmark: each Graft kernel against its torch twin, on SmolLM2-135M shapes.
+"""Suite `kernels`: each Graft Triton kernel against its torch twin, on SmolLM2-135M shapes.
 
-    .venv/bin/python bench/kernels.py --out results.json [--quick] [--budget-s 100]
+    graft bench kernels [--quick] [--budget-s 100] [--out docs/bench]     (writes kernels.json)
 
 Shapes: 9 query heads, 3 KV heads, head dim 64, 64-token cache blocks; batches 1..64, contexts
 128..4096, fp16 and bf16. Every case first checks the kernel against its twin (the twin computes
 in fp32; the error is relative, |a - b| / (1 + |b|)), then times both with CUDA events over as many
 repetitions as fit a short per-case budget (kernels get context lengths as device tensors, as
 under CUDA graphs; the twins get lists). Prints one table per kernel and writes every number to
-the JSON file named by --out. Exits 2 without CUDA, 1 when any case errs or disagrees, else 0.
+kernels.json. The figures mean something on a CUDA GPU only. Without one the suite is a smoke run:
+the kernels run in Triton's interpreter (TRITON_INTERPRET=1, about 1 ms per program instance) on
+a few tiny fp16 shapes, checked against their twins, and the wall-clock timings are not figures.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -238,7 +239,7 @@ def environment(device: torch.device) -> dict[str, str]:
     import triton
 
     return {
-        "gpu": torch.cuda.get_device_name(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (Triton interpreter)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": str(torch.version.cuda),
@@ -246,41 +247,45 @@ def environment(device: torch.device) -> dict[str, str]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
-    parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--budget-s", type=float, default=100.0, help="skip the cases left after this many seconds")
-    parser.add_argument("--case-ms", type=float, default=100.0, help="timing budget per implementation and case")
-    args = parser.parse_args(argv)
+def tiny_cases() -> list[Case]:
+    """Shapes small enough for the interpreter: correctness of every kernel in seconds."""
+    return [Case("decode", "fp16", 2, 100, 1), Case("prefill.paged", "fp16", 1, 64, 16),
+            Case("prefill.slot", "fp16", 1, 32, 16), Case("kv.store", "fp16", 8, 0, 1)]
 
-    if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU: torch sees none here (the kernels are tested on CPU "
-              "with TRITON_INTERPRET=1 by `pytest tests/kernels` instead).", file=sys.stderr)
-        return 2
-    if os.environ.pop("TRITON_INTERPRET", None) not in (None, "", "0"):
-        # The interpreter would run the kernels as Python on the host: nothing worth timing.
-        print("note: TRITON_INTERPRET ignored: this benchmark times compiled kernels", file=sys.stderr)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    torch.backends.cuda.matmul.allow_tf32 = False     # the twins' fp32 math stays fp32
-    device = torch.device("cuda")
+
+def wall_time_ms(fn: Callable[[], object], budget_ms: float) -> float:
+    """Mean milliseconds per call on the host clock (interpreter runs: not a figure of merit)."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1000
+
+
+def run_kernels(out: Path, quick: bool = False, budget_s: float = 100.0, case_ms: float = 100.0) -> int:
+    """Run the cases, print the tables, write `out`; returns how many cases failed or were skipped."""
+    if torch.cuda.is_available():
+        if os.environ.pop("TRITON_INTERPRET", None) not in (None, "", "0"):
+            # the interpreter would run the kernels as Python on the host: nothing worth timing
+            print("note: TRITON_INTERPRET ignored: a GPU is here and this times compiled kernels", file=sys.stderr)
+        torch.backends.cuda.matmul.allow_tf32 = False     # the twins' fp32 math stays fp32
+        device, timer, todo, mode = torch.device("cuda"), cuda_time_ms, cases(quick), "gpu"
+    else:
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("graft bench kernels on a CPU needs TRITON_INTERPRET=1 before Triton is imported")
+        os.environ["TRITON_INTERPRET"] = "1"
+        print("no CUDA GPU: a smoke run of the kernels in Triton's interpreter at tiny sizes; the timings are "
+              "not figures", file=sys.stderr)
+        device, timer, todo, mode = torch.device("cpu"), wall_time_ms, tiny_cases(), "interpreter"
     torch.manual_seed(0)
-
     started = time.monotonic()
     with torch.inference_mode():
-        results = run_all(cases(args.quick), device, cuda_time_ms, args.case_ms, args.budget_s)
+        results = run_all(todo, device, timer, case_ms, budget_s)
     elapsed = time.monotonic() - started
     render(results)
-
-    report = {"environment": environment(device), "elapsed_s": round(elapsed, 2),
+    report = {"mode": mode, "environment": environment(device), "elapsed_s": round(elapsed, 2),
               "shape": {"n_heads": N_HEADS, "n_kv": N_KV, "head_dim": HEAD_DIM, "block_size": BLOCK},
               "results": [asdict(r) for r in results]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
     bad = [r for r in results if not r.ok]
-    print(f"{len(results)} cases in {elapsed:.1f} s, {len(bad)} failed or skipped; results in {args.out}")
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print(f"{len(results)} cases in {elapsed:.1f} s, {len(bad)} failed or skipped; results in {out}")
+    return len(bad)
