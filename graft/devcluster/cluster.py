@@ -68,6 +68,7 @@ def engine_deployment(opts: ClusterOptions) -> dict[str, Any]:
                     "name": "engine",
                     "command": ["graft"],
                     "args": ["serve", "--port", "8000", "--admin-port", "8081", "--enable-test-patches",
+                             "--paths", "plain", "--dtype", "float32",
                              "--kv-cache-memory", opts.kv_cache_memory,
                              "--max-num-batched-tokens", str(opts.max_num_batched_tokens), "--grace", "5"],
                     "ports": [{"name": "http", "containerPort": 8000}, {"name": "admin", "containerPort": 8081}],

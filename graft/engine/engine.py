@@ -208,7 +208,7 @@ class LLMEngine:
         self.probe_blocks = list(range(total - PROBE_BLOCKS, total))
         self.block_manager = BlockManager(total - PROBE_BLOCKS, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.slots: SlotTable = default_slots(default_policy, sample_per_row).with_slots(
+        self.slots: SlotTable = default_slots(default_policy, sample_per_row, config.paths).with_slots(
             {"request.outcome": no_outcome})
         if self.device.type == "cuda":  # the Triton kernels serve the hot loops on a GPU
             from graft.kernels.dispatch import kernel_slots
