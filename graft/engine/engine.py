@@ -1,9 +1,14 @@
 """The engine: one step loop in its own thread, fed from the HTTP event loop through a queue.
 
 The step loop owns the scheduler, the block manager and the runner; nothing else touches them. The
-event loop talks to it only by messages (add, abort, call-between-steps), and gets tokens back
-through one asyncio queue per request. Tokenization and detokenization stay on the event loop's
-side (worker threads), never in the step loop.
+event loop talks to it only by messages (`AddRequest`, `AbortRequest`, `CutRequests`,
+`BetweenSteps`), and gets tokens back through one asyncio queue per request. Tokenization and
+detokenization stay on the event loop's side (worker threads), never in the step loop.
+
+What the step loop runs on (slot table, revision, the patches behind it) is one immutable
+`EngineState`, replaced whole by `swap()` between two steps: a reader on the event loop
+(`engine.state`) always sees a table, its revision and its patches that belong together. The patch
+manager changes it only through `swap()`, `probe()` and `preempt_running()`, run between steps.
 
 One request's failure is its own: a request whose sampling, logprobs, token delivery or outcome
 fails inside a step is finished with an error on its own and the rest of the batch carries on. Only
@@ -18,8 +23,9 @@ import operator
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -50,6 +56,55 @@ def no_outcome(seq: Sequence) -> tuple[float, bool]:
 
 class EngineDraining(RuntimeError):
     """The engine is shutting down and admits nothing new."""
+
+
+class InvalidPrompt(ValueError):
+    """A prompt the engine cannot run (empty, or longer than the context or the KV cache holds)."""
+
+    param = "prompt"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What the step loop runs on, replaced whole between two steps (`LLMEngine.swap`).
+
+    `patches` is the patch manager's record of what made `slots` differ from the base table, by
+    patch name; the engine only keeps it, so that a reader sees it with the revision it names.
+    """
+
+    slots: SlotTable
+    revision: str = "base"
+    patches: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+# The step loop's inbox: what the event loop may ask of it.
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    seq: Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    seq_id: int
+    reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class CutRequests:
+    """End every request in flight with a SHUTDOWN error (the grace period is over)."""
+
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class BetweenSteps:
+    """Run `fn` between two steps; its result or exception goes to `future`."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future
+
+
+Message = AddRequest | AbortRequest | CutRequests | BetweenSteps
 
 
 def _floor(logprob: float) -> float:
@@ -208,17 +263,17 @@ class LLMEngine:
         self.probe_blocks = list(range(total - PROBE_BLOCKS, total))
         self.block_manager = BlockManager(total - PROBE_BLOCKS, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.slots: SlotTable = default_slots(default_policy, sample_per_row, config.paths).with_slots(
-            {"request.outcome": no_outcome})
+        slots = default_slots(default_policy, sample_per_row, config.paths).with_slots({"request.outcome": no_outcome})
         if self.device.type == "cuda":  # the Triton kernels serve the hot loops on a GPU
             from graft.kernels.dispatch import kernel_slots
-            self.slots = self.slots.with_slots(kernel_slots(self.device))
-        self.revision = "base"
+            slots = slots.with_slots(kernel_slots(self.device))
+        self.base_slots: SlotTable = slots
+        self._state = EngineState(slots)
         self.metrics = EngineMetrics()
         self.metrics.set_revision(None, self.revision)
         self.eos_ids = set(self.tokenizer.stop_token_ids)
         self._guard: tuple[SlotTable, SlotTable, GuardedSampler] | None = None
-        self._inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[int, _Stream] = {}
         self._pending_adds = 0
@@ -241,8 +296,46 @@ class LLMEngine:
             self._thread.join(timeout=30)
 
     @property
+    def is_running(self) -> bool:
+        """Whether the step loop thread is alive (what /health reports)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def num_active(self) -> int:
         return len(self._streams) + self._pending_adds
+
+    # what the step loop runs on
+    @property
+    def state(self) -> EngineState:
+        """The current table, revision and patches, as one snapshot (safe to read from any thread)."""
+        return self._state
+
+    @property
+    def slots(self) -> SlotTable:
+        return self._state.slots
+
+    @slots.setter
+    def slots(self, table: SlotTable) -> None:
+        """Replace the table alone, revision kept (tests poison a slot this way)."""
+        self._state = replace(self._state, slots=table)
+
+    @property
+    def revision(self) -> str:
+        return self._state.revision
+
+    def swap(self, state: EngineState) -> EngineState:
+        """Install `state` and return the one it replaces. Step loop only, between two steps."""
+        old, self._state = self._state, state
+        self.metrics.set_revision(old.revision, state.revision)
+        return old
+
+    def probe(self, token_ids: list[int], slots: SlotTable) -> torch.Tensor:
+        """The logits of a prompt run under `slots` on the blocks kept aside for it. Step loop only."""
+        return self.runner.probe_logits(token_ids, slots, self.probe_blocks)
+
+    def preempt_running(self) -> None:
+        """Send every running request back to wait (recomputed later). Step loop only."""
+        self.scheduler.preempt_all()
 
     async def drain(self, grace: float, cut_wait: float = 5.0) -> bool:
         """Stop admitting and wait up to `grace` seconds for in-flight requests; True if all finished.
@@ -257,8 +350,7 @@ class LLMEngine:
         if not self.num_active:
             return True
         log.warning("grace period over with %d requests in flight: ending them", self.num_active)
-        self._inbox.put(("cut", "the server shut down before the request finished", None))
-        self._wakeup.set()
+        self._send(CutRequests("the server shut down before the request finished"))
         deadline = time.monotonic() + cut_wait
         while self.num_active and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -266,14 +358,14 @@ class LLMEngine:
 
     # requests (called from the event loop)
     def validate(self, prompt_len: int, params: SamplingParams) -> None:
-        """Refuse (ValueError, InvalidParam) what the step loop could not run; nothing else gets in."""
+        """Refuse (InvalidPrompt, InvalidParam) what the step loop could not run; nothing else gets in."""
         if prompt_len == 0:
-            raise ValueError("the prompt is empty")
+            raise InvalidPrompt("the prompt is empty")
         if prompt_len >= self.config.max_model_len:
-            raise ValueError(f"the prompt has {prompt_len} tokens; this model's context is "
+            raise InvalidPrompt(f"the prompt has {prompt_len} tokens; this model's context is "
                              f"{self.config.max_model_len} tokens including the completion")
         if prompt_len >= self.scheduler.max_seq_len:   # refused here, a 400, not in the step loop
-            raise ValueError(f"the prompt has {prompt_len} tokens; the KV cache holds "
+            raise InvalidPrompt(f"the prompt has {prompt_len} tokens; the KV cache holds "
                              f"{self.scheduler.max_seq_len} tokens including at least one generated token")
         params.validate()
         vocab = self.model_config.vocab_size
@@ -286,7 +378,8 @@ class LLMEngine:
                priority: int = 0, tenant: str = "") -> "RequestHandle":
         """Admit a request; its tokens arrive through the returned handle.
 
-        Raises QueueFull (429), EngineDraining (503) or ValueError (400) and admits nothing then.
+        Raises QueueFull (429), EngineDraining (503), InvalidPrompt or InvalidParam (400; both name
+        the field in `param`) and admits nothing then.
         Must be called from the event loop that will read the handle.
         """
         if self.draining:
@@ -303,20 +396,25 @@ class LLMEngine:
                        priority=priority, tenant=tenant)
         stream = _Stream(asyncio.get_running_loop())
         self._streams[seq.seq_id] = stream
-        self._inbox.put(("add", seq, None))
-        self._wakeup.set()
+        self._send(AddRequest(seq))
         return RequestHandle(self, seq.seq_id, stream)
 
     def abort(self, seq_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
-        self._inbox.put(("abort", seq_id, reason))
-        self._wakeup.set()
+        self._send(AbortRequest(seq_id, reason))
 
     def call_between_steps(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` in the step loop between two steps (how patch swaps stay atomic)."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("call", fn, fut))
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(BetweenSteps(fn, future))
+        return future
+
+    async def between_steps(self, fn: Callable[[], Any]) -> Any:
+        """`call_between_steps`, awaited from the event loop: `fn`'s result, or what it raised."""
+        return await asyncio.wrap_future(self.call_between_steps(fn))
+
+    def _send(self, message: Message) -> None:
+        self._inbox.put(message)
         self._wakeup.set()
-        return fut
 
     def _retry_after(self) -> int:
         return max(1, round(self.scheduler.retry_after()))
@@ -325,34 +423,38 @@ class LLMEngine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, a, b = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                with self._count_lock:
-                    self._pending_adds -= 1
-                    try:
-                        self.scheduler.add(a)
-                    except Exception as exc:  # QueueFull, ValueError: that request alone fails
-                        self._finish_stream(a, FinishReason.ERROR, error=str(exc))
-                        continue
-                a.revision = self.revision
-                self.metrics.request_started(a.revision)
-            elif kind == "abort":
-                seq = self.scheduler.finish(a, b)
-                if seq is not None:
-                    self._retire(seq)
-                elif a in self._streams:
-                    self._streams.pop(a).put(TokenEvent(None, b))
-            elif kind == "cut":
-                for seq_id in list(self._streams):
-                    self._fail(seq_id, a, SHUTDOWN)
-            elif kind == "call":
-                if b.set_running_or_notify_cancel():
-                    try:
-                        b.set_result(a())
-                    except BaseException as exc:  # handed back to the caller
-                        b.set_exception(exc)
+            match message:
+                case AddRequest(seq):
+                    self._add(seq)
+                case AbortRequest(seq_id, reason):
+                    seq = self.scheduler.finish(seq_id, reason)
+                    if seq is not None:
+                        self._retire(seq)
+                    elif seq_id in self._streams:
+                        self._streams.pop(seq_id).put(TokenEvent(None, reason))
+                case CutRequests(error):
+                    for seq_id in list(self._streams):
+                        self._fail(seq_id, error, SHUTDOWN)
+                case BetweenSteps(fn, future):
+                    if future.set_running_or_notify_cancel():
+                        try:
+                            future.set_result(fn())
+                        except BaseException as exc:  # handed back to the caller
+                            future.set_exception(exc)
+
+    def _add(self, seq: Sequence) -> None:
+        with self._count_lock:
+            self._pending_adds -= 1
+            try:
+                self.scheduler.add(seq)
+            except Exception as exc:  # QueueFull, ValueError: that request alone fails
+                self._finish_stream(seq, FinishReason.ERROR, error=str(exc))
+                return
+        seq.revision = self.revision
+        self.metrics.request_started(seq.revision)
 
     def _loop(self) -> None:
         while self._running:
@@ -407,7 +509,7 @@ class LLMEngine:
         """The current slot table with its sampler guarded; rebuilt only when the table changes."""
         if self._guard is None or self._guard[0] is not self.slots:
             guard = GuardedSampler(self.slots["sampler"], self.model_config.vocab_size)
-            self._guard = (self.slots, self.slots.replace(sampler=guard), guard)
+            self._guard = (self.slots, self.slots.with_slots({"sampler": guard}), guard)
         return self._guard[1], self._guard[2]
 
     def _deliver(self, seq: Sequence, logprobs: TokenLogprobs | None, now: float) -> None:

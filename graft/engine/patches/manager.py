@@ -1,7 +1,7 @@
 """Applying and reverting patches on a live engine.
 
-A swap runs inside the step loop between two steps (`engine.call_between_steps`), so no forward
-pass ever sees half a table. Right after a swap the self-check runs the probe prompt and compares
+A swap runs inside the step loop between two steps (`engine.between_steps`), so no forward pass
+ever sees half a table. Right after a swap the self-check runs the probe prompt and compares
 its logits with those recorded under the previous table; beyond the patch's tolerance, or when the
 probe raises, the swap is undone before the step loop runs another step, and the caller hears why
 (422). Swap, probe and commit are one transaction: no request ever runs on a table that failed.
@@ -9,6 +9,11 @@ probe raises, the swap is undone before the step loop runs another step, and the
 A replace (`apply(..., replace=True)`) is the same transaction with the applied version of the
 same-named patch taken out in the very swap that puts the new one in: every step runs either the
 old version or the new one, never neither, and a failed self-check leaves the old one applied.
+
+The manager keeps no engine state of its own: what is applied lives in the engine's `EngineState`
+(its `patches`, beside the table and the revision they make), which the step loop replaces whole
+through `engine.swap()`. The manager reaches the engine only through `swap()`, `probe()`,
+`preempt_running()`, `between_steps()`, its metrics, and the engine handed to a patch's `migrate`.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -27,7 +33,8 @@ from graft.api import revision_of
 from graft.engine.patches.base import Patch, PatchError, parse_patch_list
 from graft.engine.patches.bundle import BundleVerifier, describe
 from graft.engine.patches.loading import load_checked, run_guarded
-from graft.engine.patches.slots import SLOT_NAMES
+from graft.engine.engine import EngineState, LLMEngine
+from graft.engine.patches.slots import SLOT_NAMES, SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -81,26 +88,30 @@ class PatchManager:
     bundle code outside the step loop (its import, `configure`, `migrate`).
     """
 
-    def __init__(self, engine, *, enable_test_patches: bool = False, verifier: BundleVerifier | None = None,
-                 bundle_timeout: float = 10.0):
+    def __init__(self, engine: LLMEngine, *, enable_test_patches: bool = False,
+                 verifier: BundleVerifier | None = None, bundle_timeout: float = 10.0):
         self.engine = engine
         self.available: dict[str, Patch] = registry.discover(include_test=enable_test_patches)
         self.verifier = verifier or BundleVerifier([])
         self.bundle_timeout = bundle_timeout
-        self.applied: dict[str, Applied] = {}      # by patch name; replaced whole, never changed in place
-        self.base_slots = engine.slots
         self._lock = asyncio.Lock()
         self._bundles: dict[str, list[Patch]] = {}  # digest -> the patches of a bundle loaded once
         self._probe_ids = engine.tokenizer.encode(PROBE_PROMPT)
         self._probe_cache: dict[str, torch.Tensor] = {}   # revision -> its probe logits
 
     @property
+    def applied(self) -> Mapping[str, Applied]:
+        """The applied patches by name, as the step loop last published them."""
+        return self.engine.state.patches
+
+    @property
     def revision(self) -> str:
-        return revision_of([a.patch.id for a in self.applied.values()])
+        return self.engine.revision
 
     def describe(self) -> dict[str, Any]:
-        return {"revision": self.revision,
-                "applied": [a.describe() for a in sorted(self.applied.values(), key=lambda a: a.patch.name)],
+        state = self.engine.state   # one snapshot: the revision and the patches that make it
+        return {"revision": state.revision,
+                "applied": [a.describe() for a in sorted(state.patches.values(), key=lambda a: a.patch.name)],
                 "available": [{"name": p.name, "version": p.version, "description": p.description,
                                "slots": sorted(p.slots), "liveSwitch": p.live_switch}
                               for p in sorted(self.available.values(), key=lambda p: p.id)]}
@@ -207,9 +218,9 @@ class PatchManager:
             if clash:
                 raise PatchError(409, f"{patch.id} replaces patch points already patched: {clash}")
             await self._migrate(patch, current)
-            fut = self.engine.call_between_steps(lambda: self._swap_in(patch, slots, config or {}, current))
             try:
-                applied, verdict = await asyncio.wrap_future(fut)
+                applied, verdict = await self.engine.between_steps(
+                    lambda: self._swap_in(patch, slots, config or {}, current))
             except Exception:
                 await self._unmigrate(patch, keep=current)
                 raise
@@ -232,7 +243,7 @@ class PatchManager:
             current = self.applied.get(name)
             if current is None:
                 raise PatchError(404, f"no patch named {name} is applied")
-            ms = await asyncio.wrap_future(self.engine.call_between_steps(lambda: self._swap_out(current)))
+            ms = await self.engine.between_steps(lambda: self._swap_out(current))
             await self._unmigrate(current.patch)
             return {"revision": self.revision, "applyMs": round(ms, 3), "changed": True}
 
@@ -245,26 +256,22 @@ class PatchManager:
                 raise SystemExit(f"GRAFT_PATCHES: cannot apply {name}@{version}: {exc.message}") from None
 
     # the step loop side
-    def _table(self, applied: Mapping[str, Applied]):
-        table = self.base_slots
+    def _state(self, applied: Mapping[str, Applied]) -> EngineState:
+        """The engine state that runs `applied`: the base table with their slots, and its revision."""
+        table = self.engine.base_slots
         for a in applied.values():
             table = table.with_slots(a.slots)
-        return table
+        return EngineState(table, revision_of([a.patch.id for a in applied.values()]), MappingProxyType(applied))
 
-    def _probe(self, slots) -> torch.Tensor:
-        return self.engine.runner.probe_logits(self._probe_ids, slots, self.engine.probe_blocks)
+    def _probe(self, slots: SlotTable) -> torch.Tensor:
+        return self.engine.probe(self._probe_ids, slots)
 
     def _reference(self) -> torch.Tensor:
         """The probe logits of the current revision: computed once per revision, then remembered."""
-        rev = self.engine.revision
-        if rev not in self._probe_cache:
-            self._probe_cache[rev] = self._probe(self.engine.slots)
-        return self._probe_cache[rev]
-
-    def _set_revision(self) -> None:
-        old, new = self.engine.revision, self.revision
-        self.engine.revision = new
-        self.engine.metrics.set_revision(old, new)
+        state = self.engine.state
+        if state.revision not in self._probe_cache:
+            self._probe_cache[state.revision] = self._probe(state.slots)
+        return self._probe_cache[state.revision]
 
     def _swap_in(self, patch: Patch, slots: Mapping[str, Any], config: Mapping[str, Any],
                  current: Applied | None):
@@ -276,28 +283,25 @@ class PatchManager:
         """
         engine = self.engine
         before = self._reference()
-        old_table = engine.slots
         t0 = time.perf_counter()
         if not patch.live_switch or (current is not None and not current.patch.live_switch):
-            engine.scheduler.preempt_all()
+            engine.preempt_running()
         applied = Applied(patch, slots, datetime.now(timezone.utc).isoformat(timespec="milliseconds"), 0.0, 0.0,
                           config)
-        tentative = {**self.applied, patch.name: applied}   # `current`, if any, goes in the same stroke
-        engine.slots = self._table(tentative)
+        # `current`, if any, goes out in the same stroke
+        tentative = self._state({**self.applied, patch.name: applied})
         applied.apply_ms = (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
         try:
-            after = self._probe(engine.slots)
+            after = self._probe(tentative.slots)
             verdict = probe_verdict(before, after, patch.tolerance, engine.dtype)
-        except BaseException as exc:  # a probe that raises is a failed self-check: the old table comes back
+        except BaseException as exc:  # a probe that raises is a failed self-check: the old table stays
             verdict = f"the probe raised {describe(exc)}"
         applied.verify_ms = (time.perf_counter() - t1) * 1000
         if verdict is not None:  # no step ran on the new table: its KV entries are the old table's
-            engine.slots = old_table
             return applied, verdict
-        self.applied = tentative
-        self._set_revision()
-        self._probe_cache[engine.revision] = after
+        engine.swap(tentative)
+        self._probe_cache[tentative.revision] = after
         if current is not None:
             self._forget(current.patch)
         engine.metrics.patch_info.labels(patch.name, patch.version, patch.digest).set(1)
@@ -308,10 +312,8 @@ class PatchManager:
         engine = self.engine
         t0 = time.perf_counter()
         if not applied.patch.live_switch:
-            engine.scheduler.preempt_all()
-        self.applied = {name: a for name, a in self.applied.items() if name != applied.patch.name}
-        engine.slots = self._table(self.applied)
-        self._set_revision()
+            engine.preempt_running()
+        engine.swap(self._state({name: a for name, a in self.applied.items() if name != applied.patch.name}))
         ms = (time.perf_counter() - t0) * 1000
         self._forget(applied.patch)
         engine.metrics.patch_apply.labels("revert").observe(ms / 1000)

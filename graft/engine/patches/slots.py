@@ -44,7 +44,7 @@ SLOT_NAMES = (
 
 
 class SlotTable(Mapping[str, Callable[..., Any]]):
-    """An immutable name -> implementation map; `replace` returns a new table."""
+    """An immutable name -> implementation map; `with_slots` returns a new table."""
 
     __slots__ = ("_impls",)
 
@@ -62,9 +62,6 @@ class SlotTable(Mapping[str, Callable[..., Any]]):
 
     def __len__(self) -> int:
         return len(self._impls)
-
-    def replace(self, **changes: Callable[..., Any]) -> "SlotTable":
-        return SlotTable({**self._impls, **changes})
 
     def with_slots(self, changes: Mapping[str, Callable[..., Any]]) -> "SlotTable":
         return SlotTable({**self._impls, **changes})
