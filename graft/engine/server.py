@@ -5,6 +5,11 @@ anything wrong with the request (including what FastAPI would answer 422; the Op
 400 too), 404 for an unknown model, 429 when the queue is full, 500 when this request alone failed
 inside the engine, 503 while shutting down. A stream that fails after its first byte ends with an
 SSE error event and `[DONE]`.
+
+`build_app` holds the routes and nothing else; the serving classes answer them, as vLLM's
+OpenAIServing classes do: `OpenAIServingCompletion`, `OpenAIServingChat` (both on the shared
+`OpenAIServing`: model check, admission, streamed or whole answers) and `OpenAIServingModels`. A
+refusal names its field because the error says which (`InvalidParam`, `InvalidPrompt`: `param`).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from jinja2.exceptions import TemplateError
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from graft.engine.engine import SHUTDOWN, EngineDraining, LLMEngine, RequestHandle
+from graft.engine.engine import SHUTDOWN, EngineDraining, InvalidPrompt, LLMEngine, RequestHandle
 from graft.engine.protocol import (ChatCompletionRequest, CompletionRequest, error_body, new_id, now,
                                    usage)
 from graft.engine.scheduler import QueueFull
@@ -224,11 +229,143 @@ class Formatter:
                 "top_logprobs": tops, "text_offset": [offset for _, offset in entries]}
 
 
-def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
-    """The inference app: /v1/*, /health, /ready, /metrics."""
-    app = FastAPI(title="graft engine", docs_url=None, redoc_url=None)
-    tokenizer = engine.tokenizer
-    spell = TokenSpelling(tokenizer)
+class OpenAIServing:
+    """What the generating endpoints share: the served model's name, admission into the engine,
+    and the two ways of answering (an SSE stream, or one JSON body once the request is done)."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, spell: TokenSpelling):
+        self.engine, self.model_name, self.spell = engine, model_name, spell
+        self.tokenizer = engine.tokenizer
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+                           "invalid_request_error", "model", "model_not_found")
+
+    async def tokenize(self, fn: Callable[[], list[int]], param: str) -> list[int]:
+        """Run `fn` (tokenizing, templating) off the event loop; its refusals are 400s naming `param`."""
+        try:
+            return await asyncio.to_thread(fn)
+        except (ValueError, TemplateError) as exc:
+            raise ApiError(400, f"{param}: {exc}", param=param) from None
+
+    def admit(self, prompt_ids: list[int], req: CompletionRequest | ChatCompletionRequest
+              ) -> tuple[RequestHandle, SamplingParams]:
+        engine = self.engine
+        try:
+            params = req.sampling_params(DEFAULT_MAX_TOKENS)
+            return engine.submit(prompt_ids, params, priority=req.priority, tenant=req.user or ""), params
+        except QueueFull as exc:
+            engine.metrics.requests.labels(engine.revision, "rejected").inc()
+            raise ApiError(429, "the server is overloaded: too many requests are waiting", "rate_limit_error",
+                           headers={"Retry-After": str(exc.retry_after)}) from None
+        except EngineDraining as exc:
+            engine.metrics.requests.labels(engine.revision, "rejected").inc()
+            raise ApiError(503, str(exc), "server_error", code=SHUTDOWN, headers={"Retry-After": "1"}) from None
+        except (InvalidParam, InvalidPrompt) as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+
+    async def respond(self, request: Request, req: CompletionRequest | ChatCompletionRequest,
+                      prompt_ids: list[int], chat: bool) -> Response:
+        handle, params = self.admit(prompt_ids, req)
+        stream = TextStream(self.engine, handle, params)
+        fmt = Formatter(chat, self.model_name, self.spell)
+        want_logprobs = params.logprobs is not None
+        if req.stream:
+            return _stream_response(stream, fmt, len(prompt_ids), req.include_usage, want_logprobs)
+        return await _whole_response(request, stream, fmt, len(prompt_ids), want_logprobs)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """`POST /v1/completions`: a prompt as text or token ids."""
+
+    async def create_completion(self, request: Request, req: CompletionRequest) -> Response:
+        self.check_model(req.model)
+        vocab = self.tokenizer.vocab_size
+        if isinstance(req.prompt, list):
+            if any(not 0 <= t < vocab for t in req.prompt):
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            prompt_ids = list(req.prompt)
+        else:
+            prompt_ids = await self.tokenize(lambda: self.tokenizer.encode(req.prompt), "prompt")
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return await self.respond(request, req, prompt_ids, chat=False)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """`POST /v1/chat/completions`: messages rendered through the model's chat template."""
+
+    async def create_chat_completion(self, request: Request, req: ChatCompletionRequest) -> Response:
+        self.check_model(req.model)
+        messages = []
+        for i, m in enumerate(req.messages):
+            try:
+                messages.append({"role": m.role, "content": m.text()})
+            except ValueError as exc:
+                raise ApiError(400, f"messages[{i}].content: {exc}", param=f"messages[{i}].content") from None
+
+        def render() -> list[int]:
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        prompt_ids = await self.tokenize(render, "messages")
+        return await self.respond(request, req, prompt_ids, chat=True)
+
+
+class OpenAIServingModels:
+    """`GET /v1/models`: the one model this server serves."""
+
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def list_models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "graft", "max_model_len": self.engine.config.max_model_len}]}
+
+
+def _stream_response(stream: TextStream, fmt: Formatter, prompt_len: int, include_usage: bool,
+                     want_logprobs: bool) -> StreamingResponse:
+    extra = {"usage": None} if include_usage else {}
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in stream:
+                lp = chunk.logprobs if want_logprobs else None
+                yield _sse(fmt.envelope([fmt.choice(chunk.text, chunk.finish_reason, lp, True)],
+                                        chunk=True, **extra))
+            if include_usage:
+                yield _sse(fmt.envelope([], chunk=True, usage=usage(prompt_len, stream.completion_tokens)))
+        except ApiError as exc:
+            yield _error_event(exc)
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _whole_response(request: Request, stream: TextStream, fmt: Formatter, prompt_len: int,
+                          want_logprobs: bool) -> Response:
+    async def collect() -> tuple[str, str, list]:
+        parts, finish, logprobs = [], "stop", []
+        async for chunk in stream:
+            parts.append(chunk.text)
+            logprobs.extend(chunk.logprobs)
+            finish = chunk.finish_reason or finish
+        return "".join(parts), finish, logprobs
+
+    task = asyncio.ensure_future(collect())
+    while True:  # a client that hangs up cancels its request and frees its blocks
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            break
+        if await request.is_disconnected():
+            task.cancel()
+            stream.handle.close()
+            return Response(status_code=499)
+    text, finish, logprobs = task.result()
+    return JSONResponse(fmt.envelope([fmt.choice(text, finish, logprobs if want_logprobs else None, False)],
+                                     usage=usage(prompt_len, stream.completion_tokens)))
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error an OpenAI-style body; FastAPI's 422 for a malformed request becomes a 400 naming the field."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -257,8 +394,10 @@ def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
         log.error("unexpected error", exc_info=exc)
         return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
 
+
+def _openapi_saying_400(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """FastAPI's schema, saying 400 where FastAPI would say 422: the server answers 400."""
     def openapi() -> dict[str, Any]:
-        """FastAPI's schema, saying 400 where FastAPI would say 422: the server answers 400."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             for item in schema.get("paths", {}).values():
@@ -268,123 +407,34 @@ def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
             app.openapi_schema = schema
         return app.openapi_schema
-    app.openapi = openapi
+    return openapi
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{model_name}'",
-                           "invalid_request_error", "model", "model_not_found")
 
-    def admit(prompt_ids: list[int], req: CompletionRequest | ChatCompletionRequest
-              ) -> tuple[RequestHandle, SamplingParams]:
-        try:
-            params = req.sampling_params(DEFAULT_MAX_TOKENS)
-            return engine.submit(prompt_ids, params, priority=req.priority, tenant=req.user or ""), params
-        except QueueFull as exc:
-            engine.metrics.requests.labels(engine.revision, "rejected").inc()
-            raise ApiError(429, "the server is overloaded: too many requests are waiting", "rate_limit_error",
-                           headers={"Retry-After": str(exc.retry_after)}) from None
-        except EngineDraining as exc:
-            engine.metrics.requests.labels(engine.revision, "rejected").inc()
-            raise ApiError(503, str(exc), "server_error", code=SHUTDOWN, headers={"Retry-After": "1"}) from None
-        except InvalidParam as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="prompt" if "prompt" in str(exc) else None) from None
-
-    def stream_response(stream: TextStream, fmt: Formatter, prompt_len: int, include_usage: bool,
-                        want_logprobs: bool) -> StreamingResponse:
-        extra = {"usage": None} if include_usage else {}
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for chunk in stream:
-                    lp = chunk.logprobs if want_logprobs else None
-                    yield _sse(fmt.envelope([fmt.choice(chunk.text, chunk.finish_reason, lp, True)],
-                                            chunk=True, **extra))
-                if include_usage:
-                    yield _sse(fmt.envelope([], chunk=True, usage=usage(prompt_len, stream.completion_tokens)))
-            except ApiError as exc:
-                yield _error_event(exc)
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    async def whole_response(request: Request, stream: TextStream, fmt: Formatter, prompt_len: int,
-                             want_logprobs: bool) -> Response:
-        async def collect() -> tuple[str, str, list]:
-            parts, finish, logprobs = [], "stop", []
-            async for chunk in stream:
-                parts.append(chunk.text)
-                logprobs.extend(chunk.logprobs)
-                finish = chunk.finish_reason or finish
-            return "".join(parts), finish, logprobs
-
-        task = asyncio.ensure_future(collect())
-        while True:  # a client that hangs up cancels its request and frees its blocks
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                break
-            if await request.is_disconnected():
-                task.cancel()
-                stream.handle.close()
-                return Response(status_code=499)
-        text, finish, logprobs = task.result()
-        return JSONResponse(fmt.envelope([fmt.choice(text, finish, logprobs if want_logprobs else None, False)],
-                                         usage=usage(prompt_len, stream.completion_tokens)))
-
-    async def respond(request: Request, req: CompletionRequest | ChatCompletionRequest,
-                      prompt_ids: list[int], chat: bool) -> Response:
-        handle, params = admit(prompt_ids, req)
-        stream = TextStream(engine, handle, params)
-        fmt = Formatter(chat, model_name, spell)
-        want_logprobs = params.logprobs is not None
-        if req.stream:
-            return stream_response(stream, fmt, len(prompt_ids), req.include_usage, want_logprobs)
-        return await whole_response(request, stream, fmt, len(prompt_ids), want_logprobs)
-
-    async def tokenize(fn: Callable[[], list[int]], param: str) -> list[int]:
-        try:
-            return await asyncio.to_thread(fn)
-        except (ValueError, TemplateError) as exc:
-            raise ApiError(400, f"{param}: {exc}", param=param) from None
+def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
+    """The inference app: /v1/*, /health, /ready, /metrics. Routes only: the serving classes answer."""
+    app = FastAPI(title="graft engine", docs_url=None, redoc_url=None)
+    _install_error_handlers(app)
+    app.openapi = _openapi_saying_400(app)
+    spell = TokenSpelling(engine.tokenizer)
+    completion = OpenAIServingCompletion(engine, model_name, spell)
+    chat = OpenAIServingChat(engine, model_name, spell)
+    served = OpenAIServingModels(engine, model_name)
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(request: Request, req: CompletionRequest) -> Response:
-        check_model(req.model)
-        if isinstance(req.prompt, list):
-            if any(not 0 <= t < tokenizer.vocab_size for t in req.prompt):
-                raise ApiError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
-            prompt_ids = list(req.prompt)
-        else:
-            prompt_ids = await tokenize(lambda: tokenizer.encode(req.prompt), "prompt")
-        if not prompt_ids:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        return await respond(request, req, prompt_ids, chat=False)
+        return await completion.create_completion(request, req)
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
-        check_model(req.model)
-        messages = []
-        for i, m in enumerate(req.messages):
-            try:
-                messages.append({"role": m.role, "content": m.text()})
-            except ValueError as exc:
-                raise ApiError(400, f"messages[{i}].content: {exc}", param=f"messages[{i}].content") from None
-
-        def render() -> list[int]:
-            return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        prompt_ids = await tokenize(render, "messages")
-        return await respond(request, req, prompt_ids, chat=True)
+        return await chat.create_chat_completion(request, req)
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "graft", "max_model_len": engine.config.max_model_len}]}
+        return served.list_models()
 
     @app.get("/health", responses={503: ERROR_RESPONSES[503]})
     async def health() -> dict:
-        alive = engine._thread is not None and engine._thread.is_alive()
-        if not alive:
+        if not engine.is_running:
             raise ApiError(503, "the step loop is not running", "server_error")
         return {"status": "ok", "revision": engine.revision}
 
