@@ -227,3 +227,26 @@ def test_replace_must_be_a_boolean(engine, value):
     r = post(engine, NEW, replace=value)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"].startswith("replace:")
+
+
+def test_the_listing_always_names_the_revision_its_patches_make(engine):
+    """GET /admin/patches reads one snapshot the step loop publishes: while versions are swapped back
+    and forth, every listing's revision is exactly its applied patches, never one from either side."""
+    swaps = 4
+
+    def swap() -> None:
+        for i in range(swaps):
+            assert post(engine, NEW if i % 2 == 0 else OLD, replace=True).status_code == 200
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    seen, listings = set(), 0
+    with engine.admin() as admin:
+        while swapper.is_alive() or not listings:
+            listing = admin.get("/admin/patches").json()
+            names = ",".join(sorted(f"{a['name']}@{a['version']}" for a in listing["applied"])) or "base"
+            assert listing["revision"] == names
+            seen.add(names)
+            listings += 1
+    swapper.join()
+    assert {f"kv-align@{OLD}", f"kv-align@{NEW}"} <= seen, f"{listings} listings saw the swaps happen"
