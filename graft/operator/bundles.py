@@ -11,14 +11,9 @@ from typing import Any
 
 from graft.api import digest_of
 from graft.operator.kube import Kube, configmap_path
+from graft.operator.problems import BundleError
 from graft.rollout.observation import Problem
 from graft.rollout.spec import PatchSpec
-
-
-class BundleError(Exception):
-    def __init__(self, problem: Problem):
-        super().__init__(problem.message)
-        self.problem = problem
 
 
 def verify(source: str, pinned: str, where: str) -> None:

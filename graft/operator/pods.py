@@ -6,6 +6,11 @@ declares), or on the port in the pod annotation `graft.dev/admin-port` when set 
 the operator's default (`GRAFT_ADMIN_PORT`, 8081). The engine container is the one declaring that
 port (else the first container); its `containerID` and `restartCount` tell a restart apart.
 
+An address that cannot be known is an `AddressError` saying how a rollout treats it: `NoPodIP`
+while the pod has none yet (tried again next tick), `BadAdminPort` for an annotation that is no
+port number (permanent: nothing changes it but an edit of the pod, so retrying only waits for the
+deadline).
+
 The operator writes back:
 - label `graft.dev/track: canary|stable` (what a canary Service selects on);
 - annotation `graft.dev/patches: <revision>` (what a restarted engine applies at start-up,
@@ -16,12 +21,32 @@ from __future__ import annotations
 from typing import Any
 
 from graft.operator.kube import Kube, pods_path
-from graft.rollout.observation import PodObservation
+from graft.rollout.observation import MISCONFIGURED, UNREACHABLE, PodObservation
 
 TRACK_LABEL = "graft.dev/track"
 PATCHES_ANNOTATION = "graft.dev/patches"
 ADMIN_PORT_ANNOTATION = "graft.dev/admin-port"
 ADMIN_PORT_NAME = "admin"
+
+
+class AddressError(Exception):
+    """The operator cannot tell where a pod's admin API is; `kind` is an observation error kind."""
+
+    kind = UNREACHABLE
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class NoPodIP(AddressError):
+    """The pod has no IP yet: it will have one, so this is asked again next tick."""
+
+
+class BadAdminPort(AddressError, ValueError):
+    """The pod's admin-port annotation is no port number: permanent until someone edits the pod."""
+
+    kind = MISCONFIGURED
 
 
 async def list_pods(kube: Kube, namespace: str, selector: str) -> list[dict[str, Any]]:
@@ -46,15 +71,15 @@ def _engine_container(pod: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def admin_address(pod: dict[str, Any], default_port: int) -> tuple[str, int] | None:
-    """(pod IP, admin port), or None while the pod has no IP."""
+    """(pod IP, admin port), or None while the pod has no IP; BadAdminPort for a malformed annotation."""
     ip = (pod.get("status") or {}).get("podIP")
     if not ip:
         return None
     annotated = ((pod["metadata"].get("annotations") or {}).get(ADMIN_PORT_ANNOTATION) or "").strip()
     if annotated:
         if not annotated.isdigit() or not 0 < int(annotated) < 65536:
-            raise ValueError(f"pod {pod['metadata']['name']}: annotation {ADMIN_PORT_ANNOTATION} "
-                             f"must be a port number, got {annotated!r}")
+            raise BadAdminPort(f"annotation {ADMIN_PORT_ANNOTATION} must be a port number (1-65535), "
+                               f"got {annotated!r}; fix the pod template")
         return ip, int(annotated)
     container = _engine_container(pod) or {}
     for port in container.get("ports") or []:

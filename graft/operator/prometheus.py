@@ -20,19 +20,29 @@ from graft.rollout.observation import Measurement
 from graft.rollout.queries import Series
 
 
+TRANSPORT = "transport"   # unreachable, or no answer within the timeout
+HTTP = "http"             # an answer, but not the API's: refused credentials, no JSON
+QUERY = "query"           # Prometheus refused the query (bad PromQL, its own timeout)
+PARSE = "parse"           # an answer that is not one number (several series, a matrix, a malformed body)
+
+
 class ProviderError(Exception):
-    """Prometheus could not give the number asked for; the message says why, for the status."""
+    """Prometheus could not give the number asked for; `kind` says which way, the message why (for the status)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 class PrometheusProvider:
     def __init__(self, address: str, timeout: float = 5.0, *, headers: dict[str, str] | None = None,
-                 ca_pem: str | None = None):
+                 ca_pem: str | None = None, transport: httpx.AsyncBaseTransport | None = None):
         self.address, self.timeout = address.rstrip("/"), timeout
         verify: ssl.SSLContext | bool = True
         if ca_pem:
             verify = ssl.create_default_context(cadata=ca_pem)
         self._client = httpx.AsyncClient(base_url=self.address, headers=headers or {}, verify=verify,
-                                         timeout=httpx.Timeout(timeout + 1.0))
+                                         timeout=httpx.Timeout(timeout + 1.0), transport=transport)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -42,18 +52,24 @@ class PrometheusProvider:
         try:
             r = await self._client.get("/api/v1/query", params={"query": promql, "timeout": f"{self.timeout:g}s"})
         except httpx.TimeoutException:
-            raise ProviderError(f"Prometheus at {self.address} did not answer within {self.timeout:g}s") from None
+            raise ProviderError(TRANSPORT, f"Prometheus at {self.address} did not answer within "
+                                           f"{self.timeout:g}s") from None
         except httpx.HTTPError as e:
-            raise ProviderError(f"Prometheus at {self.address} is unreachable: {type(e).__name__}: {e}") from None
+            raise ProviderError(TRANSPORT, f"Prometheus at {self.address} is unreachable: "
+                                           f"{type(e).__name__}: {e}") from None
         if r.status_code in (401, 403):
-            raise ProviderError(f"Prometheus at {self.address} refused the credentials (HTTP {r.status_code})")
+            raise ProviderError(HTTP, f"Prometheus at {self.address} refused the credentials (HTTP {r.status_code})")
         try:
             body = r.json()
-        except ValueError:
-            raise ProviderError(f"Prometheus at {self.address} answered HTTP {r.status_code} without JSON") from None
+        except ValueError:   # json.JSONDecodeError and UnicodeDecodeError alike
+            raise ProviderError(HTTP, f"Prometheus at {self.address} answered HTTP {r.status_code} "
+                                      "without JSON") from None
+        if not isinstance(body, dict):
+            raise ProviderError(PARSE, f"Prometheus at {self.address} answered a JSON {type(body).__name__}, "
+                                       "not an object")
         if body.get("status") != "success":
-            raise ProviderError(f"Prometheus refused the query ({body.get('errorType', r.status_code)}: "
-                                f"{body.get('error', 'no reason given')})")
+            raise ProviderError(QUERY, f"Prometheus refused the query ({body.get('errorType', r.status_code)}: "
+                                       f"{body.get('error', 'no reason given')})")
         return _number(body.get("data") or {})
 
     async def measure(self, plan: list[tuple[object, list[Series]]]) -> list[Measurement]:
@@ -69,19 +85,25 @@ class PrometheusProvider:
 
 
 def _number(data: dict) -> float | None:
+    """The one number of a query's `data`; ProviderError (PARSE) for anything else."""
+    if not isinstance(data, dict):
+        raise ProviderError(PARSE, f"the query's data is a {type(data).__name__}, not an object")
     kind, result = data.get("resultType"), data.get("result")
-    if kind == "scalar":
-        raw = result[1]
-    elif kind == "vector":
-        if not result:
-            return None
-        if len(result) > 1:
-            raise ProviderError(f"the query returned {len(result)} series; a check needs one number")
-        raw = result[0]["value"][1]
-    else:
-        raise ProviderError(f"the query returned a {kind}; a check needs an instant vector or a scalar")
+    try:
+        if kind == "scalar":
+            raw = result[1]
+        elif kind == "vector":
+            if not result:
+                return None
+            if len(result) > 1:
+                raise ProviderError(PARSE, f"the query returned {len(result)} series; a check needs one number")
+            raw = result[0]["value"][1]
+        else:
+            raise ProviderError(PARSE, f"the query returned a {kind}; a check needs an instant vector or a scalar")
+    except (KeyError, IndexError, TypeError):   # a body that is not the API's shape
+        raise ProviderError(PARSE, f"the query's {kind} result is malformed: {result!r:.200}") from None
     try:
         value = float(raw)
     except (TypeError, ValueError):
-        raise ProviderError(f"the query returned {raw!r}, not a number") from None
+        raise ProviderError(PARSE, f"the query returned {raw!r}, not a number") from None
     return None if math.isnan(value) else value

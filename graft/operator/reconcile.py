@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graft.operator import pods as podsmod
-from graft.operator.admin import AdminError
-from graft.operator.bundles import BundleError, load_source
+from graft.operator.admin import AdminClient, AdminError
+from graft.operator.bundles import load_source
 from graft.operator.kube import fleet_path, rollout_path
+from graft.operator.pods import AddressError, NoPodIP
 from graft.operator.routers import RouteError, Router, router_for
-from graft.operator.runtime import Runtime, TokenError
+from graft.operator.problems import BundleError, SecretError, TokenError
+from graft.operator.runtime import Runtime
 from graft.rollout.analysis import plan_run
 from graft.operator.fleet import (active_rollout, create_for_gated_pods, find_fleet, find_or_create_fleet,
                                   record_promotion)
@@ -161,7 +163,7 @@ class _Tick:
         plan = plan_run(self.spec, status, self.namespace, self.now)
         try:
             provider = await self.rt.provider(self.spec.analysis.prometheus, self.namespace)
-        except TokenError as e:
+        except SecretError as e:
             return [Measurement(check.key, error=e.problem.message) for check, _ in plan]
         return await provider.measure(plan)
 
@@ -188,7 +190,7 @@ class _Tick:
                            from_time(self.body["metadata"].get("creationTimestamp")) or self.now,
                            int(self.body["metadata"].get("generation") or 0))
 
-    async def revision(self, status: RolloutStatus, pod: PodObservation, admin) -> None:
+    async def revision(self, status: RolloutStatus, pod: PodObservation, admin: AdminClient | None) -> None:
         pod.revision = self.answered.get(pod.name) or known_revision(status, pod)
         pod.error = self.errors.get(pod.name)
         if pod.revision is not None or not pod.ready or admin is None or pod.error is not None:
@@ -196,13 +198,14 @@ class _Tick:
         try:
             pod.revision = await admin.revision(*self.address(pod.name))
             self.rt.unauthorized.pop(f"{self.namespace}/{pod.name}", None)
-        except (AdminError, ValueError) as e:
+        except (AdminError, AddressError) as e:
             pod.error = self.pod_error(pod.name, e)
 
     def address(self, pod: str) -> tuple[str, int]:
+        """The pod's admin address; AddressError when it has no IP yet or a malformed annotation."""
         address = podsmod.admin_address(self.pods[pod], self.rt.settings.admin_port)
         if address is None:
-            raise ValueError(f"pod {pod} has no IP yet")
+            raise NoPodIP(f"pod {pod} has no IP yet")
         return address
 
     # acting
@@ -277,7 +280,7 @@ class _Tick:
             self.rt.unauthorized.pop(f"{self.namespace}/{pod}", None)
         except TokenError as e:
             self.problem = self.problem or e.problem
-        except (AdminError, ValueError) as e:
+        except (AdminError, AddressError) as e:
             self.errors[pod] = self.pod_error(pod, e)
 
     async def remove(self, pod: str) -> None:
@@ -288,7 +291,7 @@ class _Tick:
             self.rt.unauthorized.pop(f"{self.namespace}/{pod}", None)
         except TokenError as e:
             self.problem = self.problem or e.problem
-        except (AdminError, ValueError) as e:
+        except (AdminError, AddressError) as e:
             self.errors[pod] = self.pod_error(pod, e)
 
     async def stable_patch_spec(self) -> PatchSpec:
@@ -306,7 +309,7 @@ class _Tick:
         return PatchSpec(name, version, PatchSource(builtin=True))
 
 
-    def pod_error(self, pod: str, e: Exception) -> PodError:
+    def pod_error(self, pod: str, e: AdminError | AddressError) -> PodError:
         """What an admin call's failure means for the rollout. A refused token (401/403) is final only
         after UNAUTHORIZED_TICKS ticks in a row: a rotated Secret reaches the operator (which re-reads
         it at once) and the engines (which re-read their mounted file) at different moments."""
@@ -325,7 +328,5 @@ class _Tick:
 UNAUTHORIZED, UNAUTHORIZED_TICKS = "unauthorized", 3
 
 
-def _pod_error(e: Exception) -> PodError:
-    if isinstance(e, AdminError):
-        return PodError(e.kind, e.message)
-    return PodError(UNREACHABLE, str(e))
+def _pod_error(e: AdminError | AddressError) -> PodError:
+    return PodError(e.kind, e.message)

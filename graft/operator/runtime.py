@@ -12,20 +12,13 @@ import kopf
 from graft.operator.admin import AdminClient
 from graft.operator.kube import Kube, secret_path, secret_value
 from graft.operator.metrics import OperatorMetrics
+from graft.operator.problems import SecretError, TokenError
 from graft.operator.prometheus import PrometheusProvider
 from graft.operator.settings import OperatorSettings
 from graft.rollout.observation import Problem
 from graft.rollout.spec import PrometheusSource
 
-
-class TokenError(Exception):
-    def __init__(self, problem: Problem):
-        super().__init__(problem.message)
-        self.problem = problem
-
-
-class SecretError(TokenError):
-    """A Secret a rollout names (Prometheus credentials) is missing or lacks its key."""
+__all__ = ["Runtime", "SecretError", "TokenError"]
 
 
 class Runtime:

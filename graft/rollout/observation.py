@@ -9,7 +9,9 @@ PERMANENT_ERRORS = {
     "unauthorized": "Unauthorized",     # 401 / 403 (wrong token, untrusted bundle)
     "unknown-patch": "UnknownPatch",    # 404
     "conflict": "PatchConflict",        # 409
+    "misconfigured": "PodMisconfigured",  # a malformed graft.dev/admin-port annotation
 }
+MISCONFIGURED = "misconfigured"
 VERIFY_FAILED = "verify-failed"         # 422: the engine reverted it already
 UNREACHABLE = "unreachable"             # connection errors, timeouts, 5xx: tried again next tick
 
@@ -41,7 +43,7 @@ class PodObservation:
 
 @dataclass(slots=True)
 class Measurement:
-    """One check's numbers, as its plan names them (graft.rollout.queries.plan).
+    """One check's numbers, as its plan names them (graft.rollout.analysis.plan_run).
 
     `check` is the check's key (`breaker/error-rate`, `gate/tpot-p99`). A value of None: the query
     returned nothing. `error`: the provider failed (unreachable, a bad query, a timeout).
