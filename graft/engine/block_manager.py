@@ -67,11 +67,6 @@ class BlockManager:
             waste += slots - min(len(seq), slots)
         return waste / (used * self.block_size)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks findable by prefix (in use or free)."""
-        return len(self._cache)
-
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 

@@ -30,7 +30,3 @@ class StepContext:
     @property
     def num_decodes(self) -> int:
         return self.num_seqs - self.num_prefills
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(self.query_lens[: self.num_prefills])

@@ -10,7 +10,7 @@ Every callable returned follows its slot's signature in graft.engine.patches.slo
 - "attention.prefill": (q, k, v, scale) -> out        (one sequence, contiguous K/V)
 - "attention.decode": (q, k_cache, v_cache, block_tables, context_lens, scale, gather) -> out
 
-The batched paged prefill (`graft.kernels.paged_prefill_attention` and its twin) has no slot of
+The batched paged prefill (`graft.kernels.prefill.paged_prefill_attention` and its twin) has no slot of
 its own: see `paged_prefill_impl`.
 """
 from __future__ import annotations

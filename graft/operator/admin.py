@@ -1,4 +1,4 @@
-"""The engines' admin API client (ARCHITECTURE.md, "Admin API"): one httpx client for every pod.
+"""The engines' admin API client (docs/architecture.md, "Admin API"): one httpx client for every pod.
 
 Calls are bounded (at most `concurrency` in flight), timed out, and retried with exponential
 backoff while they do not reach the engine (connection errors, timeouts, 5xx); the engine's own

@@ -2,8 +2,8 @@
 
 Each check needs a few numbers, not one: an error-rate check needs the canary's requests and errors
 in its window (the verdict is judged on counts), a ratio check needs a quantile on each side and how
-many samples each rests on. `plan()` lists them as `Series`, each one number with its PromQL. The
-operator runs the PromQL; the simulator (graft.rollout.simulate) computes the same numbers from its
+many samples each rests on. `analysis.plan_run()` lists them as `Series`, each one number with its
+PromQL. The operator runs the PromQL; the simulator (graft.rollout.simulate) computes the same numbers from its
 simulated fleet; both hand them to the same judge (graft.rollout.analysis).
 
 Canary and stable traffic are told apart by the `revision` label every request metric carries, and

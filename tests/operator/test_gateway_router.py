@@ -97,8 +97,8 @@ async def test_a_refused_update_is_reported_as_http_route_update_failed():
     assert info.value.message == "HTTPRoute ns/llm: the object has been modified"
 
 
-async def test_a_missing_route_is_reported_on_set_and_reconcile():
-    for call in (lambda r: r.set_weight(5), lambda r: r.reconcile()):
+async def test_a_missing_route_is_reported_on_set_and_get():
+    for call in (lambda r: r.set_weight(5), lambda r: r.get_weight()):
         with pytest.raises(RouteError) as info:
             await call(FakeApi(None).router())
         assert (info.value.reason, info.value.message) == ("HTTPRouteMissing", "HTTPRoute ns/llm not found")
@@ -124,7 +124,6 @@ async def test_the_routing_kind_picks_the_router():
     assert isinstance(plain, PodRatioRouter)
     assert await plain.get_weight() is None, "pod ratio: the share of canary pods is the weight"
     await plain.set_weight(50)
-    await plain.reconcile()
     await plain.finalize()
 
 

@@ -1,9 +1,9 @@
 """Traffic routers: one file per way of splitting traffic, behind one small interface.
 
-`reconcile()` checks the router can work (raises RouteError saying what is missing);
 `get_weight()` is the canary's current share in percent, or None when the router has no weight of
 its own (pod ratio: the share of canary pods is the weight); `set_weight(w)` sends w percent to
-the canary; `finalize()` sends everything back to stable when a rollout goes away.
+the canary; `finalize()` sends everything back to stable when a rollout goes away. Each raises
+RouteError saying what is missing when the router cannot do its job.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ class RouteError(Exception):
 
 
 class Router(Protocol):
-    async def reconcile(self) -> None: ...
     async def get_weight(self) -> int | None: ...
     async def set_weight(self, weight: int) -> None: ...
     async def finalize(self) -> None: ...

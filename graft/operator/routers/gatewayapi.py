@@ -41,9 +41,6 @@ class GatewayAPIRouter:
                                                    f"Service {self.stable} and Service {self.canary}")
         return pairs
 
-    async def reconcile(self) -> None:
-        self._rules(await self._get())
-
     async def get_weight(self) -> int | None:
         pairs = self._rules(await self._get())
         weights = set()

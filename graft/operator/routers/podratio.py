@@ -6,9 +6,6 @@ from __future__ import annotations
 
 
 class PodRatioRouter:
-    async def reconcile(self) -> None:
-        return None
-
     async def get_weight(self) -> int | None:
         return None
 
