@@ -30,6 +30,37 @@ def test_tiny_temperature_or_top_p_picks_the_most_likely_token(sampler, settings
     assert sampler(peaked_logits(), [params], [gen]) == [7]
 
 
+# a model unsure between four tokens: 0.5, 0.25, 0.15, 0.1 (the prefix masses are 0.5, 0.75, 0.9)
+UNSURE = torch.tensor([[0.5, 0.25, 0.15, 0.1]]).log()
+
+
+def drawn(sampler, params: SamplingParams, draws: int = 300) -> set[int]:
+    """The tokens seen in `draws` samples of UNSURE, each with a seed of its own."""
+    return {tok for seed in range(draws) for tok in sampler(UNSURE, [params], [torch.Generator().manual_seed(seed)])}
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("settings, kept", [
+    ({"top_p": 0.4}, {0}), ({"top_p": 0.6}, {0, 1}), ({"top_p": 0.8}, {0, 1, 2}), ({"top_p": 1.0}, {0, 1, 2, 3}),
+    ({"top_k": 1}, {0}), ({"top_k": 2}, {0, 1}), ({"top_k": 3}, {0, 1, 2}),
+    ({"top_k": 3, "top_p": 0.6}, {0, 1}), ({"top_k": 2, "top_p": 0.8}, {0, 1}),
+])
+def test_top_p_and_top_k_sample_from_exactly_the_tokens_they_keep(sampler, settings, kept):
+    # top_p keeps the smallest prefix whose mass reaches it, top_k the k most likely; both apply
+    assert drawn(sampler, SamplingParams(temperature=1.0, **settings)) == kept
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_a_seed_gives_the_same_draws_and_another_seed_others(sampler):
+    params = SamplingParams(temperature=1.0)
+
+    def draws(seed: int) -> list[int]:
+        gen = torch.Generator().manual_seed(seed)
+        return [tok for _ in range(40) for tok in sampler(UNSURE, [params], [gen])]
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+
+
 @pytest.mark.parametrize("sampler", SAMPLERS)
 def test_top_k_beyond_the_vocabulary_means_no_cut(sampler):
     logits = torch.zeros(1, VOCAB)  # uniform: every token possible
