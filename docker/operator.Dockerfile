@@ -10,6 +10,7 @@ RUN python -m venv /opt/graft
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY graft ./graft
+# the `operator` extra alone: the dev cluster's packages (the `devcluster` extra) stay out of the image
 RUN /opt/graft/bin/pip install ".[operator]"
 
 FROM ${PYTHON_IMAGE}
