@@ -59,33 +59,33 @@ def build_registry(runtime: Runtime) -> kopf.OperatorRegistry:
 
     @kopf.on.create(**resource, id="create")
     async def created(body: kopf.Body, **_: Any) -> None:
-        await step(runtime, body)
+        await reconcile_now(runtime, body)
 
     @kopf.on.resume(**resource, id="resume")
     async def resumed(body: kopf.Body, **_: Any) -> None:
-        await step(runtime, body)
+        await reconcile_now(runtime, body)
 
     @kopf.on.update(**resource, id="update")
     async def updated(body: kopf.Body, **_: Any) -> None:
-        await step(runtime, body)
+        await reconcile_now(runtime, body)
 
     @kopf.timer(**resource, id="tick", interval=runtime.settings.tick)
     async def ticked(body: kopf.Body, **_: Any) -> None:
-        await step(runtime, body)
+        await reconcile_now(runtime, body)
 
     fleet = dict(group=GROUP, version=VERSION, plural=FLEET_PLURAL, registry=registry)
 
     @kopf.on.create(**fleet, id="fleet-create")
     async def fleet_created(body: kopf.Body, **_: Any) -> None:
-        await fleet_step(runtime, body)
+        await converge_fleet_now(runtime, body)
 
     @kopf.on.update(**fleet, id="fleet-update")
     async def fleet_updated(body: kopf.Body, **_: Any) -> None:
-        await fleet_step(runtime, body)
+        await converge_fleet_now(runtime, body)
 
     @kopf.timer(**fleet, id="fleet-tick", interval=runtime.settings.tick)
     async def fleet_ticked(body: kopf.Body, **_: Any) -> None:
-        await fleet_step(runtime, body)
+        await converge_fleet_now(runtime, body)
 
     history.register(runtime, resource, fleet)     # finished rollouts: their TTL, the fleet's history limit
 
@@ -102,7 +102,7 @@ async def _fresh(runtime: Runtime, body: kopf.Body) -> dict[str, Any] | None:
     return await runtime.kube.get(rollout_path(meta["namespace"], meta["name"]))
 
 
-async def step(runtime: Runtime, body: kopf.Body) -> None:
+async def reconcile_now(runtime: Runtime, body: kopf.Body) -> None:
     """Reconcile one rollout now, and post the events of what changed."""
     if runtime.closed:
         return
@@ -117,7 +117,7 @@ async def step(runtime: Runtime, body: kopf.Body) -> None:
         events.post(body, event)
 
 
-async def fleet_step(runtime: Runtime, body: kopf.Body) -> None:
+async def converge_fleet_now(runtime: Runtime, body: kopf.Body) -> None:
     """Converge one fleet's pods now, and post the events of what changed."""
     meta = body["metadata"]
     if runtime.closed:
