@@ -4,7 +4,7 @@ Reasons: StepStarted, PodsPatched, WeightSet, AnalysisPassed, AnalysisFailed, An
 Promoted, PromotedByUser, RollingBack, RolledBack, Paused, Resumed, Aborted, PodRepatched,
 PodDropped, InvalidSpec, InvalidControl, NoPods, EnginesUnreachable, RollbackBlocked,
 ProgressDeadlineExceeded, and the refusals UnknownPatch, PatchConflict, PatchRefused,
-Unauthorized, PatchVerifyFailed, PatchChanged, DigestMismatch, BundleMissing, AdminTokenMissing,
+Unauthorized, PodMisconfigured, PatchVerifyFailed, PatchChanged, DigestMismatch, BundleMissing, AdminTokenMissing,
 HTTPRouteMissing, BackendRefsMissing, HTTPRouteUpdateFailed.
 """
 from __future__ import annotations
