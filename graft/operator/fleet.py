@@ -20,7 +20,7 @@ from typing import Any
 from graft.operator import pods as podsmod
 from graft.operator.admin import AdminError
 from graft.operator.bundles import BundleError, load_source
-from graft.operator.kube import Kube, fleet_path, pods_path, rollouts_path
+from graft.operator.kube import Kube, KubeError, fleet_path, pods_path, rollouts_path
 from graft.operator.runtime import Runtime, TokenError
 from graft.rollout.fleet import (PATCHED_CONDITION, ApplyPatch, FleetPod, MarkPod, RevertPatch, SetPatched,
                                  adopt, converge, desired_revision, with_promoted, without)
@@ -268,13 +268,30 @@ async def find_or_create_fleet(kube: Kube, namespace: str, selector: LabelSelect
         return found
     query = selector.to_query()
     name = fleet_name_for(selector)
-    if await kube.get(fleet_path(namespace, name)) is not None:
+    taken = await kube.get(fleet_path(namespace, name))
+    if taken is not None:
+        if _selects(taken, query):
+            return name      # another rollout on this selector created it since we looked
         name = "fleet-" + hashlib.sha256(query.encode()).hexdigest()[:10]
     spec: dict[str, Any] = {"selector": _selector_dict(selector),
                             "patches": [patch_to_dict(p) for p in adopt(stable_revision)]}
-    await kube.create(fleet_path(namespace), {"apiVersion": "graft.dev/v1alpha1", "kind": "PatchFleet",
-                                              "metadata": {"name": name, "namespace": namespace}, "spec": spec})
+    try:
+        await kube.create(fleet_path(namespace), {"apiVersion": "graft.dev/v1alpha1", "kind": "PatchFleet",
+                                                  "metadata": {"name": name, "namespace": namespace}, "spec": spec})
+    except KubeError as e:
+        # another rollout on this selector created it since we looked (two starting or ending at once)
+        found = await find_fleet(kube, namespace, selector) if e.status == 409 else None
+        if found is None:
+            raise
+        return found
     return name
+
+
+def _selects(fleet: dict[str, Any], query: str) -> bool:
+    try:
+        return parse_fleet_spec(fleet.get("spec") or {}).selector.to_query() == query
+    except SpecError:
+        return False
 
 
 def _selector_dict(selector: LabelSelector) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def plan(rollouts: Iterable[RolloutRecord], *, limit: int | None, now: float) ->
     """The rollouts to delete now, each with why: those whose TTL ran out, then those beyond
     `limit` finished ones (None: no limit), oldest first in each group."""
     rollouts = list(rollouts)
-    out = [Deletion(r, TTL_EXPIRED, f"deleted {now - r.finished_at:.0f}s after it finished {r.phase} "
+    out = [Deletion(r, TTL_EXPIRED, f"deleted {now - r.finished_at:.1f}s after it finished {r.phase} "
                                     f"(ttlSecondsAfterFinished: {r.ttl})")
            for r in sorted(rollouts, key=lambda r: r.order) if expired(r, now)]
     if limit is None:

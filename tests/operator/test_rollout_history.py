@@ -6,11 +6,15 @@ reconciliation, with no engine and no Prometheus; they still name their fleet as
 """
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 
 import pytest
 
+from graft.operator.fleet import find_or_create_fleet
 from graft.operator.kube import fleet_path, rollouts_path
+from graft.rollout.spec import parse_selector
 from graft.rollout.status import from_time
 
 from operator_cluster import create, events_of, get_rollout, phase_is, until
@@ -43,11 +47,13 @@ async def test_a_finished_rollout_is_deleted_its_ttl_after_it_finished(cluster, 
     await create(cluster, namespace, aborted("kept"))
     done = await until(lambda: phase_is(cluster, namespace, "short-lived", "RolledBack"), 15, what="RolledBack")
     finished = completed_at(done)
-    await until(lambda: _gone(cluster, namespace, "short-lived"), 10, interval=0.05, what="deleted")
-    gone = time.time()
-    assert 1.0 <= gone - finished <= 4.0, gone - finished
+    await until(lambda: _gone(cluster, namespace, "short-lived"), 15, interval=0.05, what="deleted")
+    assert time.time() - finished < 15
     (event,) = [e for e in await events_of(cluster.kube, namespace, "short-lived") if e["reason"] == "TTLExpired"]
-    assert event["type"] == "Normal" and "(ttlSecondsAfterFinished: 1)" in event["message"]
+    assert event["type"] == "Normal" and event["message"].endswith("after it finished RolledBack "
+                                                                   "(ttlSecondsAfterFinished: 1)"), event
+    # when the operator decided, measured from the finish time it read, not from this test's polling
+    assert float(re.match(r"deleted ([0-9.]+)s after", event["message"]).group(1)) >= 1.0
     # without a TTL, and within its fleet's default history of ten, a finished rollout stays
     assert (await phase_is(cluster, namespace, "kept", "RolledBack")) is not None
     assert (await cluster.kube.get(fleet_path(namespace, "llm-engine")))["spec"]["revisionHistoryLimit"] == 10
@@ -67,11 +73,12 @@ async def test_a_fleet_keeps_only_its_newest_finished_rollouts_and_says_which_it
     waiting = aborted("waiting", paused=True)
     del waiting["metadata"]["annotations"]
     await create(cluster, namespace, waiting)
-    for name in ("first", "second", "third"):
-        await create(cluster, namespace, aborted(name))
-        done = await until(lambda: phase_is(cluster, namespace, name, "RolledBack"), 15, what=f"{name} RolledBack")
-        assert done["status"]["fleet"] == "llm-engine"
-    await until(lambda: _names_are(cluster, namespace, {"third", "waiting"}), 10, what="only the newest kept")
+    for name in ("first", "second"):
+        await finish(cluster, namespace, name)
+    await until(lambda: _names_are(cluster, namespace, {"second", "waiting"}), 15, what="only the newest kept")
+    # and a rollout finishing later takes the place of the one kept before
+    await finish(cluster, namespace, "third")
+    await until(lambda: _names_are(cluster, namespace, {"third", "waiting"}), 15, what="the second deleted")
     assert (await get_rollout(cluster.kube, namespace, "waiting"))["status"]["phase"] == "Pending"
 
     pruned = await until(lambda: _pruned(cluster, namespace, 2), 10, what="two HistoryPruned events")
@@ -80,9 +87,12 @@ async def test_a_fleet_keeps_only_its_newest_finished_rollouts_and_says_which_it
     assert sorted(e["message"] for e in pruned) == [
         f"deleted PatchRollout {name} (RolledBack): the fleet keeps 1 finished rollout (revisionHistoryLimit)"
         for name in ("first", "second")]
-    # and a rollout finishing later takes the place of the one kept before
-    await create(cluster, namespace, aborted("fourth"))
-    await until(lambda: _names_are(cluster, namespace, {"fourth", "waiting"}), 15, what="the third deleted")
+
+
+async def finish(cluster, namespace, name):
+    await create(cluster, namespace, aborted(name))
+    done = await until(lambda: phase_is(cluster, namespace, name, "RolledBack"), 15, what=f"{name} RolledBack")
+    assert done["status"]["fleet"] == "llm-engine"
 
 
 async def _names_are(cluster, namespace, expected):
@@ -93,3 +103,11 @@ async def _pruned(cluster, namespace, n):
     items = [e for e in await events_of(cluster.kube, namespace, "llm-engine") if e["reason"] == "HistoryPruned"]
     return items if len(items) >= n else None
 
+
+async def test_rollouts_finishing_together_on_a_new_selector_share_one_fleet(cluster, namespace):
+    """Two rollouts on a selector with no fleet yet (both finished in the same tick, as above) each
+    create it: the second creation loses the race, and names the fleet the first one created."""
+    selector = parse_selector(SELECTOR)
+    names = await asyncio.gather(*(find_or_create_fleet(cluster.kube, namespace, selector, "base") for _ in range(3)))
+    assert names == ["llm-engine"] * 3
+    assert [f["metadata"]["name"] for f in await cluster.kube.list(fleet_path(namespace))] == ["llm-engine"]

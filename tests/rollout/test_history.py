@@ -61,7 +61,7 @@ def test_a_ttl_counts_from_the_finish_and_is_honoured_whatever_the_fleet_keeps()
     done = rollout("done", 100, ttl=30, keeps_stable=True)
     assert plan([done], limit=None, now=129.9) == []
     (d,) = plan([done], limit=None, now=130)
-    assert (d.reason, d.message) == (TTL_EXPIRED, "deleted 30s after it finished Promoted (ttlSecondsAfterFinished: 30)")
+    assert (d.reason, d.message) == (TTL_EXPIRED, "deleted 30.0s after it finished Promoted (ttlSecondsAfterFinished: 30)")
     assert plan([done], limit=10, now=130)[0].reason == TTL_EXPIRED
     assert expired(rollout("now", 100, ttl=0), 100)
     # an active rollout, or one whose finish time is not known, never expires
