@@ -133,6 +133,9 @@ INVALID = [
     ("action-unknown", setting("action", "rewind"), "spec.action"),
     ("deadline-words", setting("progressDeadline", "soon"), "spec.progressDeadline"),
     ("paused-string", setting("paused", "yes"), "spec.paused"),
+    ("ttl-negative", setting("ttlSecondsAfterFinished", -1), "spec.ttlSecondsAfterFinished"),
+    ("ttl-float", setting("ttlSecondsAfterFinished", 1.5), "spec.ttlSecondsAfterFinished"),
+    ("ttl-string", setting("ttlSecondsAfterFinished", "1h"), "spec.ttlSecondsAfterFinished"),
     ("unknown-top-field", setting("replicas", 3), "spec.replicas"),
 ]
 # valid edge cases both must accept
@@ -144,6 +147,7 @@ VALID_EDGES = [
     ("one-step", setting("steps", [{"weight": 100}])),
     ("twenty-steps", setting("steps", [{"weight": w} for w in range(81, 100)] + [{"weight": 100}])),
     ("revert", setting("action", "revert")),
+    ("ttl-zero", setting("ttlSecondsAfterFinished", 0)),
     ("bundle-source", setting("patch.source", {"configMap": {"name": "b", "key": "p.py"}, "digest": DIGEST})),
     ("gateway", setting("trafficRouting", {"gatewayAPI": {"httpRoute": "r", "stableService": "s",
                                                           "canaryService": "c"}})),
