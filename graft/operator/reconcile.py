@@ -47,33 +47,33 @@ class Result:
     events: list[Event] = field(default_factory=list)
 
 
-async def reconcile(rt: Runtime, body: dict[str, Any], now: float, *, abort: bool = False) -> Result:
+async def reconcile(runtime: Runtime, body: dict[str, Any], now: float, *, abort: bool = False) -> Result:
     """Reconcile the rollout `body` (as just read from the API server) at time `now`."""
     stored = RolloutStatus.from_dict(body.get("status"))
     try:
-        templates = await load_templates(rt, body)
+        templates = await load_templates(runtime, body)
         spec = parse_spec(body.get("spec") or {}, templates)
     except SpecError as e:
-        return await _write(rt, body, stored, _invalid(stored, e, body))
+        return await _write(runtime, body, stored, _invalid(stored, e, body))
     if stored.phase == FAILED and stored.reason == "InvalidSpec":
         stored = RolloutStatus()    # the spec was fixed: start over
     if stored.phase in FINAL:
         return Result(stored)
-    status, events = await _Tick(rt, spec, body, now, abort).run(stored)
-    return await _write(rt, body, stored, Result(status, events))
+    status, events = await Reconciliation(runtime, spec, body, now, abort).run(stored)
+    return await _write(runtime, body, stored, Result(status, events))
 
 
 TEMPLATE_GROUP = "/apis/graft.dev/v1alpha1"
 
 
-async def load_templates(rt: Runtime, body: dict[str, Any]) -> dict[tuple[str, bool], dict[str, Any]]:
+async def load_templates(runtime: Runtime, body: dict[str, Any]) -> dict[tuple[str, bool], dict[str, Any]]:
     """The specs of the analysis templates the rollout names (those that exist)."""
     namespace = body["metadata"]["namespace"]
     out = {}
     for name, cluster in template_refs(body.get("spec") or {}):
         path = (f"{TEMPLATE_GROUP}/clusterpatchanalysistemplates/{name}" if cluster
                 else f"{TEMPLATE_GROUP}/namespaces/{namespace}/patchanalysistemplates/{name}")
-        found = await rt.kube.get(path)
+        found = await runtime.kube.get(path)
         if found is not None:
             out[(name, cluster)] = found.get("spec") or {}
     return out
@@ -91,20 +91,24 @@ def _invalid(stored: RolloutStatus, error: SpecError, body: dict[str, Any]) -> R
     return Result(status, events)
 
 
-async def _write(rt: Runtime, body: dict[str, Any], stored: RolloutStatus, result: Result) -> Result:
+async def _write(runtime: Runtime, body: dict[str, Any], stored: RolloutStatus, result: Result) -> Result:
     new = result.status.to_dict()
     if new != stored.to_dict() or body.get("status") is None:
         meta = body["metadata"]
-        await rt.kube.merge_patch(rollout_path(meta["namespace"], meta["name"]) + "/status", {"status": new})
+        await runtime.kube.merge_patch(rollout_path(meta["namespace"], meta["name"]) + "/status", {"status": new})
     return result
 
 
-class _Tick:
-    def __init__(self, rt: Runtime, spec: RolloutSpec, body: dict[str, Any], now: float, abort: bool):
-        self.rt, self.spec, self.body, self.now, self.abort = rt, spec, body, now, abort
+class Reconciliation:
+    """One reconciliation of one rollout: rounds of observe, decide (graft.rollout.machine) and act
+    until the decision asks for nothing more (at most MAX_ROUNDS), remembering within it what the
+    engines answered so that no pod is asked twice."""
+
+    def __init__(self, runtime: Runtime, spec: RolloutSpec, body: dict[str, Any], now: float, abort: bool):
+        self.runtime, self.spec, self.body, self.now, self.abort = runtime, spec, body, now, abort
         meta = body["metadata"]
         self.namespace, self.name = meta["namespace"], meta["name"]
-        self.router: Router = router_for(spec.traffic_routing, rt.kube, self.namespace)
+        self.router: Router = router_for(spec.traffic_routing, runtime.kube, self.namespace)
         self.pods: dict[str, dict[str, Any]] = {}
         self.answered: dict[str, str] = {}       # revisions the engines gave back this tick
         self.errors: dict[str, PodError] = {}
@@ -131,11 +135,11 @@ class _Tick:
             self.status = status
             await self.execute(d.actions)
         if status.phase != PENDING and not status.fleet:
-            status.fleet = await find_or_create_fleet(self.rt.kube, self.namespace, self.spec.selector,
+            status.fleet = await find_or_create_fleet(self.runtime.kube, self.namespace, self.spec.selector,
                                                       status.stable_revision)
         elif status.phase == PENDING and status.reason == NO_PODS:
             # pods held by the readiness gate need a fleet before this rollout can see them Ready
-            await create_for_gated_pods(self.rt, self.namespace, self.spec.selector, list(self.pods.values()))
+            await create_for_gated_pods(self.runtime, self.namespace, self.spec.selector, list(self.pods.values()))
         return status, events
 
     async def claim_fleet(self, status: RolloutStatus) -> None:
@@ -143,17 +147,17 @@ class _Tick:
         fleet controller, seeing a pod run this rollout's patch, also sees this rollout active on the
         fleet (and leaves that patch and its Ready pods to it) rather than reverting it as drift."""
         if not status.fleet:
-            status.fleet = await find_or_create_fleet(self.rt.kube, self.namespace, self.spec.selector,
+            status.fleet = await find_or_create_fleet(self.runtime.kube, self.namespace, self.spec.selector,
                                                       status.stable_revision)
-        await self.rt.kube.merge_patch(rollout_path(self.namespace, self.name) + "/status",
+        await self.runtime.kube.merge_patch(rollout_path(self.namespace, self.name) + "/status",
                                        {"status": status.to_dict()})
 
     async def wait_for_turn(self) -> None:
         """One rollout per fleet at a time: a second one waits, Pending (Queued), for the first to end."""
-        fleet = await find_fleet(self.rt.kube, self.namespace, self.spec.selector)
+        fleet = await find_fleet(self.runtime.kube, self.namespace, self.spec.selector)
         if fleet is None:
             return
-        other = await active_rollout(self.rt.kube, self.namespace, fleet)
+        other = await active_rollout(self.runtime.kube, self.namespace, fleet)
         if other is not None and other["metadata"]["name"] != self.name:
             self.problem = Problem(QUEUED, f"queued: PatchRollout {other['metadata']['name']} is active on "
                                            f"fleet {fleet}; this one starts when it ends")
@@ -162,7 +166,7 @@ class _Tick:
     async def measure(self, status: RolloutStatus) -> list[Measurement]:
         plan = plan_run(self.spec, status, self.namespace, self.now)
         try:
-            provider = await self.rt.provider(self.spec.analysis.prometheus, self.namespace)
+            provider = await self.runtime.provider(self.spec.analysis.prometheus, self.namespace)
         except SecretError as e:
             return [Measurement(check.key, error=e.problem.message) for check, _ in plan]
         return await provider.measure(plan)
@@ -171,10 +175,10 @@ class _Tick:
         problem = self.problem
         admin = None
         try:
-            admin = await self.rt.admin()
+            admin = await self.runtime.admin()
         except TokenError as e:
             problem = problem or e.problem
-        raw = await podsmod.list_pods(self.rt.kube, self.namespace, self.spec.selector.to_query())
+        raw = await podsmod.list_pods(self.runtime.kube, self.namespace, self.spec.selector.to_query())
         self.pods = {p["metadata"]["name"]: p for p in raw}
         observed = [podsmod.observe_pod(p) for p in raw]
         await asyncio.gather(*(self.revision(status, pod, admin) for pod in observed))
@@ -197,13 +201,13 @@ class _Tick:
             return
         try:
             pod.revision = await admin.revision(*self.address(pod.name))
-            self.rt.unauthorized.pop(f"{self.namespace}/{pod.name}", None)
+            self.runtime.unauthorized.pop(f"{self.namespace}/{pod.name}", None)
         except (AdminError, AddressError) as e:
             pod.error = self.pod_error(pod.name, e)
 
     def address(self, pod: str) -> tuple[str, int]:
         """The pod's admin address; AddressError when it has no IP yet or a malformed annotation."""
-        address = podsmod.admin_address(self.pods[pod], self.rt.settings.admin_port)
+        address = podsmod.admin_address(self.pods[pod], self.runtime.settings.admin_port)
         if address is None:
             raise NoPodIP(f"pod {pod} has no IP yet")
         return address
@@ -225,7 +229,7 @@ class _Tick:
             case UnpatchPod(pod):
                 await self.unpatch(pod)
             case LabelPod(pod, track, revision):
-                await podsmod.label_pod(self.rt.kube, self.namespace, pod, track, revision)
+                await podsmod.label_pod(self.runtime.kube, self.namespace, pod, track, revision)
             case SetWeight(weight):
                 try:
                     await self.router.set_weight(weight)
@@ -233,19 +237,20 @@ class _Tick:
                     self.problem = self.problem or Problem(e.reason, e.message)
             case RecordPromotion():
                 if self.status.fleet:
-                    await record_promotion(self.rt.kube, self.namespace, self.status.fleet, self.spec.patch,
+                    await record_promotion(self.runtime.kube, self.namespace, self.status.fleet, self.spec.patch,
                                            revert=self.spec.action == REVERT)
             case PauseRollout():
-                await self.rt.kube.merge_patch(rollout_path(self.namespace, self.name), {"spec": {"paused": True}})
+                await self.runtime.kube.merge_patch(rollout_path(self.namespace, self.name),
+                                                    {"spec": {"paused": True}})
             case ClearPromote():
                 self.promote_done = True
-                await self.rt.kube.merge_patch(rollout_path(self.namespace, self.name),
+                await self.runtime.kube.merge_patch(rollout_path(self.namespace, self.name),
                                                {"metadata": {"annotations": {PROMOTE_ANNOTATION: None}}})
 
     async def patch_source(self, patch: PatchSpec) -> dict[str, Any] | None:
         if patch.ref not in self.sources and self.problem is None:
             try:
-                self.sources[patch.ref] = await load_source(self.rt.kube, self.namespace, patch)
+                self.sources[patch.ref] = await load_source(self.runtime.kube, self.namespace, patch)
             except BundleError as e:
                 self.problem = e.problem
         return self.sources.get(patch.ref)
@@ -274,10 +279,10 @@ class _Tick:
         running = self.answered.get(pod) or (self.status.pod(pod).revision if self.status.pod(pod) else None)
         replace = any(r.partition("@")[0] == p.name and r != p.ref for r in patches_of(running or ""))
         try:
-            admin = await self.rt.admin()
+            admin = await self.runtime.admin()
             self.answered[pod] = await admin.apply(*self.address(pod), p.name, p.version, source, p.config,
                                                    **({"replace": True} if replace else {}))
-            self.rt.unauthorized.pop(f"{self.namespace}/{pod}", None)
+            self.runtime.unauthorized.pop(f"{self.namespace}/{pod}", None)
         except TokenError as e:
             self.problem = self.problem or e.problem
         except (AdminError, AddressError) as e:
@@ -286,9 +291,9 @@ class _Tick:
     async def remove(self, pod: str) -> None:
         name = (self.status.patch or self.spec.patch.ref).partition("@")[0]
         try:
-            admin = await self.rt.admin()
+            admin = await self.runtime.admin()
             self.answered[pod] = await admin.revert(*self.address(pod), name)
-            self.rt.unauthorized.pop(f"{self.namespace}/{pod}", None)
+            self.runtime.unauthorized.pop(f"{self.namespace}/{pod}", None)
         except TokenError as e:
             self.problem = self.problem or e.problem
         except (AdminError, AddressError) as e:
@@ -298,7 +303,7 @@ class _Tick:
         """The version an upgrade goes back to: as the fleet records it, else a built-in of that version."""
         name, _, version = self.status.stable_patch.partition("@")
         if self.status.fleet:
-            fleet = await self.rt.kube.get(fleet_path(self.namespace, self.status.fleet))
+            fleet = await self.runtime.kube.get(fleet_path(self.namespace, self.status.fleet))
             try:
                 recorded = parse_fleet_spec((fleet or {}).get("spec") or {}).patches
             except SpecError:
@@ -315,13 +320,13 @@ class _Tick:
         it at once) and the engines (which re-read their mounted file) at different moments."""
         key = f"{self.namespace}/{pod}"
         if isinstance(e, AdminError) and e.kind == UNAUTHORIZED:
-            self.rt.invalidate_token()
-            seen = self.rt.unauthorized[key] = self.rt.unauthorized.get(key, 0) + 1
+            self.runtime.invalidate_token()
+            seen = self.runtime.unauthorized[key] = self.runtime.unauthorized.get(key, 0) + 1
             if seen < UNAUTHORIZED_TICKS:
                 return PodError(UNREACHABLE, f"{e.message} (the admin token may be rotating; "
                                              f"try {seen} of {UNAUTHORIZED_TICKS})")
         else:
-            self.rt.unauthorized.pop(key, None)
+            self.runtime.unauthorized.pop(key, None)
         return _pod_error(e)
 
 
