@@ -13,11 +13,15 @@ import time
 import pytest
 
 from graft.operator.fleet import find_or_create_fleet
-from graft.operator.kube import fleet_path, rollouts_path
+from graft.operator.history import delete
+from graft.operator.kube import fleet_path, rollout_path, rollouts_path
+from graft.operator.runtime import Runtime
+from graft.operator.settings import OperatorSettings
+from graft.rollout.history import plan, record
 from graft.rollout.spec import parse_selector
-from graft.rollout.status import from_time
+from graft.rollout.status import from_time, to_time
 
-from operator_cluster import create, events_of, get_rollout, phase_is, until
+from operator_cluster import TOKEN, create, events_of, get_rollout, phase_is, until
 
 pytestmark = pytest.mark.timeout(60)
 SELECTOR = {"matchLabels": {"app": "llm-engine"}}
@@ -111,3 +115,28 @@ async def test_rollouts_finishing_together_on_a_new_selector_share_one_fleet(clu
     names = await asyncio.gather(*(find_or_create_fleet(cluster.kube, namespace, selector, "base") for _ in range(3)))
     assert names == ["llm-engine"] * 3
     assert [f["metadata"]["name"] for f in await cluster.kube.list(fleet_path(namespace))] == ["llm-engine"]
+
+
+async def test_a_rollout_retried_after_the_decision_to_delete_it_is_left_alone(cluster, namespace):
+    """The decision is made on a list; the deletion reads the rollout again first: one retried since
+    (`graft rollout retry` clears its status) is no longer what was decided on."""
+    body = aborted("retried")
+    del body["metadata"]["annotations"]
+    await create(cluster, namespace, body)
+    status_path = rollout_path(namespace, "retried") + "/status"
+    done = {"phase": "RolledBack", "reason": "Aborted", "conditions": [
+        {"type": "Completed", "status": "True", "lastTransitionTime": to_time(time.time() - 10)}]}
+    await cluster.kube.merge_patch(status_path, {"status": done})
+    (decided,) = plan([record(await get_rollout(cluster.kube, namespace, "retried"))], limit=0, now=time.time())
+    await cluster.kube.merge_patch(status_path, {"status": {"phase": "Pending", "reason": None, "conditions": None}})
+    runtime = Runtime(OperatorSettings(admin_token=TOKEN))
+    runtime.kube = cluster.kube
+    try:
+        assert await delete(runtime, namespace, decided) is None
+        assert await get_rollout(cluster.kube, namespace, "retried") is not None
+        await cluster.kube.merge_patch(status_path, {"status": done})    # finished again, as decided
+        assert (await delete(runtime, namespace, decided))["metadata"]["name"] == "retried"
+        assert await get_rollout(cluster.kube, namespace, "retried") is None
+    finally:
+        runtime.kube = None           # the fixture's client, closed by the fixture
+        await runtime.close()

@@ -9,13 +9,14 @@ import json
 from pathlib import Path
 
 import aiohttp
+import kubernetes_validate
 import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graft.devcluster.apiserver import ApiServer
-from graft.devcluster.crd import served_versions
+from graft.devcluster.crd import check, served_versions
 from graft.devcluster.kubeconfig import write_kubeconfig
 from graft.rollout.history import (HISTORY_PRUNED, TTL_EXPIRED, RolloutRecord, expired, finished, finished_at,
                                    plan, record, targets)
@@ -61,7 +62,8 @@ def test_a_ttl_counts_from_the_finish_and_is_honoured_whatever_the_fleet_keeps()
     done = rollout("done", 100, ttl=30, keeps_stable=True)
     assert plan([done], limit=None, now=129.9) == []
     (d,) = plan([done], limit=None, now=130)
-    assert (d.reason, d.message) == (TTL_EXPIRED, "deleted 30.0s after it finished Promoted (ttlSecondsAfterFinished: 30)")
+    assert (d.reason, d.message) == (
+        TTL_EXPIRED, "deleted 30.0s after it finished Promoted (ttlSecondsAfterFinished: 30)")
     assert plan([done], limit=10, now=130)[0].reason == TTL_EXPIRED
     assert expired(rollout("now", 100, ttl=0), 100)
     # an active rollout, or one whose finish time is not known, never expires
@@ -173,6 +175,13 @@ def test_a_rollout_belongs_to_the_fleet_its_status_names_or_else_by_selector():
 
 
 # the two fields in the CRDs and in the spec parsers
+
+@pytest.mark.parametrize("path", ["patchfleet.yaml", "patchrollout.yaml"])
+def test_both_crds_stay_valid_for_kube_apiserver(path):
+    crd = yaml.safe_load((ROOT / "crds" / path).read_text())
+    kubernetes_validate.validate(crd, "1.32", strict=True)
+    assert check(crd) == []
+
 
 def fleet_errors(spec):
     body = {"apiVersion": "graft.dev/v1alpha1", "kind": "PatchFleet", "metadata": {"name": "f"}, "spec": spec}
