@@ -37,6 +37,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline-engine-args", default="", type=shlex.split, metavar="FLAGS",
                    help="with --baseline engine: its `graft serve` flags on top of this run's, e.g. "
                         "'--no-prefix-caching' or '--paths plain'")
+    p.add_argument("--baseline-patches", default="", metavar="LIST",
+                   help="with --baseline engine: its GRAFT_PATCHES (name@version,...), e.g. sync-free@3.2.1 "
+                        "for the padded batched decode; the measured engine gets none")
     p.add_argument("--no-baseline", dest="baseline", action="store_const", const="none",
                    help="same as --baseline none")
     p.add_argument("--allow-load", action="store_true",

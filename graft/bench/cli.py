@@ -27,8 +27,9 @@ def _check(args: argparse.Namespace) -> None:
     patches = parse_patch_list(args.patches)
     if not patches and args.suite in ("patches", "apply"):
         raise ValueError(f"the {args.suite} suite needs patches to compare and apply: --patches names none")
-    if args.baseline_engine_args and args.baseline != "engine":
-        raise ValueError("--baseline-engine-args is for --baseline engine")
+    parse_patch_list(args.baseline_patches)
+    if (args.baseline_engine_args or args.baseline_patches) and args.baseline != "engine":
+        raise ValueError("--baseline-engine-args and --baseline-patches are for --baseline engine")
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -87,7 +88,8 @@ def _run(suite: str, args: argparse.Namespace, dtype: str, data_dir: str | None,
         result = run_throughput(ThroughputConfig(
             num_prompts=args.num_prompts, concurrency=args.concurrency, max_tokens=args.max_tokens,
             workloads=workloads, task=args.task, data_dir=data_dir, rounds=args.rounds, baseline=args.baseline,
-            engine_args=engine_flags(args), baseline_engine_args=args.baseline_engine_args, model=args.model,
+            engine_args=engine_flags(args), baseline_engine_args=args.baseline_engine_args,
+            baseline_patches=args.baseline_patches, model=args.model,
             dtype=dtype), out)
         return sum(p["errors"] for w in result["workloads"].values() for p in w["passes"])
     from graft.bench.patches import PatchesConfig, run_apply, run_patches

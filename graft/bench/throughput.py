@@ -48,6 +48,7 @@ class ThroughputConfig:
     baseline: str = "transformers"              # transformers | llama-server | engine | none
     engine_args: list[str] = field(default_factory=list)           # `graft serve` flags of the engine
     baseline_engine_args: list[str] = field(default_factory=list)  # added for --baseline engine
+    baseline_patches: str = ""                                      # its GRAFT_PATCHES
     model: str | None = None
     dtype: str = "bfloat16"                     # the engine's resolved dtype: transformers runs in it too
 
@@ -101,10 +102,12 @@ def _from_report(side: str, r: int, rep: LoadReport, cpu_s: float | None, load: 
     return Pass(side, r, s.output_tok_s, s.errors, load, load_average(), cpu_s, s.as_dict(), rep.ttfts())
 
 
-def engine_pass(args: list[str], side: str, r: int, prompts: list[str], cfg: ThroughputConfig, label: str) -> Pass:
-    """A fresh `graft serve` with `args` (no patches through GRAFT_PATCHES), measured and stopped."""
-    with report.status(f"starting graft serve {' '.join(args) or '(no flags)'}"):
-        eng = launch_engine(args, env={"GRAFT_PATCHES": ""})
+def engine_pass(args: list[str], side: str, r: int, prompts: list[str], cfg: ThroughputConfig, label: str,
+                patches: str = "") -> Pass:
+    """A fresh `graft serve` with `args` and GRAFT_PATCHES=`patches`, measured and stopped."""
+    with report.status(f"starting graft serve {' '.join(args) or '(no flags)'}"
+                       + (f", GRAFT_PATCHES={patches}" if patches else "")):
+        eng = launch_engine(args, env={"GRAFT_PATCHES": patches})
     try:
         load = load_average()
         rep, cpu_s = asyncio.run(_serve_pass(eng.url, prompts, cfg, label, eng.cpu_seconds))
@@ -136,7 +139,8 @@ class Sides:
         if side == "engine":
             return engine_pass(cfg.engine_args, side, r, prompts, cfg, label)
         if cfg.baseline == "engine":
-            return engine_pass([*cfg.engine_args, *cfg.baseline_engine_args], side, r, prompts, cfg, label)
+            return engine_pass([*cfg.engine_args, *cfg.baseline_engine_args], side, r, prompts, cfg, label,
+                               cfg.baseline_patches)
         if cfg.baseline == "llama-server":
             return llama_server_pass(r, prompts, cfg, label)
         if cfg.baseline == "transformers":
@@ -179,7 +183,8 @@ def run_throughput(cfg: ThroughputConfig, out: Path) -> dict[str, Any]:
         "suite": "throughput", "command": report.command_line(), "machine": report.machine_info(),
         "config": {"num_prompts": cfg.num_prompts, "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens,
                    "rounds": cfg.rounds, "dtype": cfg.dtype, "task": cfg.task, "baseline": cfg.baseline,
-                   "engine_args": cfg.engine_args, "baseline_engine_args": cfg.baseline_engine_args},
+                   "engine_args": cfg.engine_args, "baseline_engine_args": cfg.baseline_engine_args,
+                   "baseline_patches": cfg.baseline_patches},
         "workloads": {}}
     for kind in cfg.workloads:
         prompts = workload_prompts(kind, cfg.num_prompts, cfg.data_dir, cfg.task)
@@ -194,7 +199,8 @@ def run_throughput(cfg: ThroughputConfig, out: Path) -> dict[str, Any]:
 
 def baseline_name(config: dict[str, Any]) -> str:
     if config["baseline"] == "engine":
-        return "engine " + " ".join(config["baseline_engine_args"])
+        patches = config.get("baseline_patches")
+        return " ".join(["engine", *config["baseline_engine_args"], *([f"+{patches}"] if patches else [])])
     return {"transformers": "transformers generate"}.get(config["baseline"], config["baseline"])
 
 

@@ -141,6 +141,36 @@ def decode_attention_batched(
     return out.reshape(b, q.shape[1], q.shape[2])
 
 
+def decode_attention_varlen(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: list[int],
+    scale: float,
+    gather: Gather,
+) -> torch.Tensor:
+    """All decodes, each sequence over its own blocks only: the default on a CPU.
+
+    `decode_attention_batched` pads every sequence to the longest one, so with mixed lengths it
+    copies and attends over several times the tokens there are (2.4x on 16 mixed BBH prompts), and
+    a masked bf16 SDPA with one query row is slow on a CPU. Here each sequence gathers its own
+    whole blocks (no padding) and attends with two small grouped matmuls, scores and softmax in
+    float32. `gather` is unused, as in the batched form.
+    """
+    block_size, n_kv, d = k_cache.shape[1:]
+    out = torch.empty_like(q)
+    grouped = q.view(q.shape[0], n_kv, -1, d)                              # [B, n_kv, group, d]
+    for i, n in enumerate(context_lens):
+        blocks = block_tables[i, : _num_blocks(n, block_size)]
+        k = k_cache.index_select(0, blocks).view(-1, n_kv, d)[:n]         # [n, n_kv, d]
+        v = v_cache.index_select(0, blocks).view(-1, n_kv, d)[:n]
+        scores = torch.matmul(grouped[i], k.permute(1, 2, 0)).float()      # [n_kv, group, n]
+        probs = scores.mul_(scale).softmax(dim=-1).to(v.dtype)
+        out[i] = torch.matmul(probs, v.transpose(0, 1)).view(q.shape[1], d)
+    return out
+
+
 def qkv_fused(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One matmul over the layer's concatenated `qkv_weight`; three when the model is not fused."""
     if attn.qkv_weight is None:
@@ -179,6 +209,6 @@ def default_slots(policy: Callable[..., Any], sampler: Callable[..., Any], paths
 FAST_SLOTS: dict[str, Callable[..., Any]] = {
     "kv.gather": gather_aligned,
     "attention.prefill": prefill_attention_fused,
-    "attention.decode": decode_attention_batched,
+    "attention.decode": decode_attention_varlen,
     "linear.qkv": qkv_fused,
 }

@@ -32,6 +32,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512   # token budget per step (decode tokens + prefill chunks)
     max_waiting: int = 256              # admission queue bound; beyond it requests get 429
     enable_prefix_caching: bool = True
+    threads: int = 0                    # torch intra-op threads of the model; 0: torch's default (one per core)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -41,6 +42,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be 0 (torch's default) or more, got {self.threads}")
         if self.paths not in PATHS_CHOICES:
             raise ValueError(f"paths must be one of {', '.join(PATHS_CHOICES)}, got {self.paths}")
         if self.dtype == "auto":
@@ -152,6 +155,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step")
     g.add_argument("--max-waiting", type=int, default=_default("max_waiting"), help="admission queue bound (then 429)")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--threads", type=int, default=_default("threads"),
+                   help="torch threads for the model (default 0: one per core); the HTTP server, tokenizer "
+                        "and step loop run beside them")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -160,7 +166,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                         block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
-                        enable_prefix_caching=not args.no_prefix_caching)
+                        enable_prefix_caching=not args.no_prefix_caching, threads=args.threads)
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

@@ -70,6 +70,8 @@ class ModelRunner:
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(model_config.num_layers)]
         self.generators: dict[int, torch.Generator] = {}
+        if config.threads:
+            torch.set_num_threads(config.threads)
         if config.paths == "fast":
             model.fuse_qkv(pin=True)   # the fast `linear.qkv` is one matmul over these
 

@@ -85,7 +85,7 @@ def test_prefill_is_causal_with_the_query_offset(impl):
 
 
 @pytest.mark.parametrize("lengths", [[1], [5, 64, 65, 130], [300, 1, 77, 128, 129, 2]])
-def test_decode_per_seq_and_batched_agree_over_shuffled_blocks(lengths):
+def test_decode_per_seq_batched_and_varlen_agree_over_shuffled_blocks(lengths):
     gen = torch.Generator().manual_seed(len(lengths))
     k_cache, v_cache = make_cache()
     tables = shuffled_tables(lengths, k_cache.shape[0], seed=sum(lengths))
@@ -96,6 +96,8 @@ def test_decode_per_seq_and_batched_agree_over_shuffled_blocks(lengths):
     plain = A.decode_attention_per_seq(q, k_cache, v_cache, block_tables, lengths, scale, A.gather_per_block)
     fast = A.decode_attention_batched(q, k_cache, v_cache, block_tables, lengths, scale, A.gather_aligned)
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    varlen = A.decode_attention_varlen(q, k_cache, v_cache, block_tables, lengths, scale, A.gather_aligned)
+    torch.testing.assert_close(varlen, plain, atol=1e-5, rtol=1e-5)
     for i, (k, v) in enumerate(contexts):  # and both are attention over exactly that sequence's tokens
         expected = A.prefill_attention_naive(q[i : i + 1], k, v, scale)[0]
         torch.testing.assert_close(plain[i], expected, atol=1e-6, rtol=1e-6)
@@ -138,3 +140,31 @@ def test_default_table_is_the_plain_family_and_fast_slots_are_patch_points():
     fast = table.with_slots(A.FAST_SLOTS)
     assert fast["attention.prefill"] is A.prefill_attention_fused
     assert all(fast[name] is not table[name] for name in A.FAST_SLOTS)
+
+
+def test_a_fresh_engine_runs_the_fast_family_unless_asked_for_the_plain_one():
+    from graft.engine.sampler import sample_batched
+    policy, sampler = object(), object()
+    fast = A.default_slots(policy, sampler, "fast")
+    assert all(fast[name] is impl for name, impl in A.FAST_SLOTS.items())
+    assert fast["sampler"] is sample_batched and fast["scheduler.policy"] is policy
+    assert A.default_slots(policy, sampler, "plain")["attention.decode"] is A.decode_attention_per_seq
+    with pytest.raises(ValueError, match="fast or plain"):
+        A.default_slots(policy, sampler, "3.2.0")
+
+
+def test_weights_fused_at_load_survive_the_revert_of_a_patch_that_also_fuses():
+    from graft.engine.models.llama import LlamaForCausalLM
+    cfg = ModelConfig(
+        vocab_size=32, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=N_HEADS, num_kv_heads=N_KV,
+        head_dim=D, rope_theta=10000.0, rms_eps=1e-5, max_position=128, tie_embeddings=True,
+        bos_token_id=None, eos_token_id=None, name="tiny",
+    )
+    model = LlamaForCausalLM(cfg)
+    model.fuse_qkv()
+    model.unfuse_qkv()
+    assert not model.is_qkv_fused, "a patch's own fusion goes with its revert"
+    model.fuse_qkv(pin=True)            # an engine on the fast paths
+    model.fuse_qkv()                    # prefill-fusion@3.2.1 applied on top ...
+    model.unfuse_qkv()                  # ... and reverted
+    assert model.is_qkv_fused

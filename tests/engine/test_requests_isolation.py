@@ -46,7 +46,8 @@ def failing_outcome(seq):
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = LLMEngine(EngineConfig(kv_cache_memory=96 << 20, max_num_seqs=32, max_num_batched_tokens=256))
+    eng = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=96 << 20, max_num_seqs=32,
+                                 max_num_batched_tokens=256))
     eng.start()
     yield eng
     eng.stop()
