@@ -110,29 +110,29 @@ async def active_rollout(kube: Kube, namespace: str, fleet: str,
     return min(starting, key=order) if starting else None
 
 
-async def reconcile_fleet(rt: Runtime, body: dict[str, Any]) -> FleetResult:
+async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     old_status = body.get("status") or {}
     try:
         spec = parse_fleet_spec(body.get("spec") or {})
     except SpecError as e:
-        return await _write(rt, body, {**old_status, "conditions": _conditions(
+        return await _write(runtime, body, {**old_status, "conditions": _conditions(
             old_status, False, "InvalidSpec", f"invalid spec: {e}", meta)},
             [("InvalidSpec", f"invalid spec: {e}", "Warning")])
-    raw = await podsmod.list_pods(rt.kube, namespace, spec.selector.to_query())
+    raw = await podsmod.list_pods(runtime.kube, namespace, spec.selector.to_query())
     try:
-        admin = await rt.admin()
+        admin = await runtime.admin()
     except TokenError as e:
-        return await _write(rt, body, {**old_status, "conditions": _conditions(
+        return await _write(runtime, body, {**old_status, "conditions": _conditions(
             old_status, False, e.problem.reason, e.problem.message, meta)}, [])
-    fleet_pods = await asyncio.gather(*(_observe(rt, admin, p) for p in raw))
+    fleet_pods = await asyncio.gather(*(_observe(runtime, admin, p) for p in raw))
     # The rollout and the fleet's patches are read only now, after the engines: a rollout stores its
     # status (active, on this fleet) before it touches a pod, and records a promotion here before it
     # stores Promoted, so an engine seen running a rollout's patch is never taken for drift and reverted.
-    rollout = await active_rollout(rt.kube, namespace, name, spec.selector)
+    rollout = await active_rollout(runtime.kube, namespace, name, spec.selector)
     rollout_patch = ((rollout.get("spec") or {}).get("patch") or {}).get("name") if rollout else None
-    spec = await _reread(rt, namespace, name, spec)
+    spec = await _reread(runtime, namespace, name, spec)
     plan = converge(spec.patches, list(fleet_pods), rollout_patch=rollout_patch)
     plan.actions += _renewed_gates(raw, fleet_pods, plan.converged)
     by_name = {p["metadata"]["name"]: p for p in raw}
@@ -140,7 +140,7 @@ async def reconcile_fleet(rt: Runtime, body: dict[str, Any]) -> FleetResult:
     # labels and annotations first, then the engines, then the gates
     for kind in (MarkPod, (ApplyPatch, RevertPatch), SetPatched):
         group = [a for a in plan.actions if isinstance(a, kind)]
-        await asyncio.gather(*(_act(rt, admin, namespace, by_name[a.pod], a, errors) for a in group))
+        await asyncio.gather(*(_act(runtime, admin, namespace, by_name[a.pod], a, errors) for a in group))
     pending = [{"name": n, "reason": errors.get(n, why)} for n, why in sorted(plan.pending.items())]
     revision = desired_revision(spec.patches)
     converged = len(plan.converged)
@@ -155,26 +155,26 @@ async def reconcile_fleet(rt: Runtime, body: dict[str, Any]) -> FleetResult:
     events = []
     if (old_status.get("converged"), old_status.get("pods"), old_status.get("revision")) != (converged, len(raw), revision):
         events.append(("FleetConverged" if ok else "FleetConverging", message, "Normal"))
-    return await _write(rt, body, status, events)
+    return await _write(runtime, body, status, events)
 
 
-async def _reread(rt: Runtime, namespace: str, name: str, spec: FleetSpec) -> FleetSpec:
+async def _reread(runtime: Runtime, namespace: str, name: str, spec: FleetSpec) -> FleetSpec:
     """The fleet's spec as stored now (`spec`, read before, if it is gone or no longer valid)."""
-    body = await rt.kube.get(fleet_path(namespace, name))
+    body = await runtime.kube.get(fleet_path(namespace, name))
     try:
         return parse_fleet_spec((body or {}).get("spec") or {}) if body is not None else spec
     except SpecError:
         return spec
 
 
-async def _observe(rt: Runtime, admin, pod: dict[str, Any]) -> FleetPod:
+async def _observe(runtime: Runtime, admin, pod: dict[str, Any]) -> FleetPod:
     obs = podsmod.observe_pod(pod)
     fp = FleetPod(obs.name, running=_containers_running(pod), ready=obs.ready, track=obs.track,
                   patches=obs.patches, patched=_patched(pod))
     if not fp.running:
         return fp
     try:
-        address = podsmod.admin_address(pod, rt.settings.admin_port)
+        address = podsmod.admin_address(pod, runtime.settings.admin_port)
         if address is None:
             fp.error = "no pod IP yet"
             return fp
@@ -184,21 +184,21 @@ async def _observe(rt: Runtime, admin, pod: dict[str, Any]) -> FleetPod:
     return fp
 
 
-async def _act(rt: Runtime, admin, namespace: str, pod: dict[str, Any], action, errors: dict[str, str]) -> None:
+async def _act(runtime: Runtime, admin, namespace: str, pod: dict[str, Any], action, errors: dict[str, str]) -> None:
     name = pod["metadata"]["name"]
     try:
         match action:
             case MarkPod(_, track, revision):
-                await podsmod.label_pod(rt.kube, namespace, name, track, revision)
+                await podsmod.label_pod(runtime.kube, namespace, name, track, revision)
             case ApplyPatch(_, patch):
-                source = await load_source(rt.kube, namespace, patch)
+                source = await load_source(runtime.kube, namespace, patch)
                 running = {r.partition("@")[0] for r in patches_of(_revision_of(pod) or "")}
-                await admin.apply(*podsmod.admin_address(pod, rt.settings.admin_port), patch.name, patch.version,
+                await admin.apply(*podsmod.admin_address(pod, runtime.settings.admin_port), patch.name, patch.version,
                                   source, patch.config, **({"replace": True} if patch.name in running else {}))
             case RevertPatch(_, patch_name):
-                await admin.revert(*podsmod.admin_address(pod, rt.settings.admin_port), patch_name)
+                await admin.revert(*podsmod.admin_address(pod, runtime.settings.admin_port), patch_name)
             case SetPatched(_, value, message):
-                await set_condition(rt.kube, namespace, pod, PATCHED_CONDITION, value,
+                await set_condition(runtime.kube, namespace, pod, PATCHED_CONDITION, value,
                                     "Patched" if value else "Converging", message)
     except BundleError as e:
         errors[name] = e.problem.message
@@ -231,10 +231,10 @@ def _conditions(old: dict[str, Any], ok: bool, reason: str, message: str, meta: 
              "observedGeneration": meta.get("generation", 0)}]
 
 
-async def _write(rt: Runtime, body: dict[str, Any], status: dict[str, Any], events) -> FleetResult:
+async def _write(runtime: Runtime, body: dict[str, Any], status: dict[str, Any], events) -> FleetResult:
     meta = body["metadata"]
     if status != (body.get("status") or {}):
-        await rt.kube.merge_patch(fleet_path(meta["namespace"], meta["name"]) + "/status", {"status": status})
+        await runtime.kube.merge_patch(fleet_path(meta["namespace"], meta["name"]) + "/status", {"status": status})
     return FleetResult(status, events)
 
 
@@ -310,7 +310,7 @@ def _gated(pod: dict[str, Any]) -> bool:
     return any(g.get("conditionType") == PATCHED_CONDITION for g in gates)
 
 
-async def create_for_gated_pods(rt: Runtime, namespace: str, selector: LabelSelector,
+async def create_for_gated_pods(runtime: Runtime, namespace: str, selector: LabelSelector,
                                 pods: list[dict[str, Any]]) -> str | None:
     """The fleet of pods that wait, behind the readiness gate graft.dev/patched, for a fleet that
     does not exist yet; created, adopting what their engines run, when they all run the same.
@@ -321,18 +321,18 @@ async def create_for_gated_pods(rt: Runtime, namespace: str, selector: LabelSele
     running = [p for p in pods if _gated(p) and _containers_running(p)]
     if not running or any(podsmod.is_ready(p) for p in pods):
         return None
-    found = await find_fleet(rt.kube, namespace, selector)
+    found = await find_fleet(runtime.kube, namespace, selector)
     if found is not None:
         return found
-    addresses = [podsmod.admin_address(p, rt.settings.admin_port) for p in running]
+    addresses = [podsmod.admin_address(p, runtime.settings.admin_port) for p in running]
     try:
-        admin = await rt.admin()
+        admin = await runtime.admin()
         revisions = {await admin.revision(*address) for address in addresses if address is not None}
     except (TokenError, AdminError):
         return None          # an engine not answering yet: the next tick asks again
     if len(revisions) != 1:
         return None          # adopting one of several revisions would revert the others
-    return await find_or_create_fleet(rt.kube, namespace, selector, revisions.pop())
+    return await find_or_create_fleet(runtime.kube, namespace, selector, revisions.pop())
 
 
 async def record_promotion(kube: Kube, namespace: str, fleet: str, patch: PatchSpec, *, revert: bool = False) -> None:
