@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from graft.devcluster.apiserver import ApiServer
 from graft.devcluster.podrunner import PodRunner
@@ -198,14 +197,6 @@ class DevCluster:
         if r.status_code >= 400:
             raise ValueError(f"{obj['kind']} {obj['metadata'].get('name')}: {r.json().get('message', r.text)}")
         return r.json()
-
-    async def apply_file(self, path: str | os.PathLike, **overrides: Any) -> list[dict[str, Any]]:
-        out = []
-        for doc in yaml.safe_load_all(Path(path).read_text()):
-            if doc:
-                doc.setdefault("metadata", {}).setdefault("namespace", self.namespace)
-                out.append(await self.apply(doc))
-        return out
 
     async def get(self, path: str) -> dict[str, Any] | None:
         assert self.api is not None
