@@ -3,7 +3,7 @@ import pytest
 
 from graft.operator.kube import pods_path
 from graft.operator.pods import BadAdminPort, NoPodIP
-from graft.operator.reconcile import _pod_error
+from graft.rollout.observation import PERMANENT_ERRORS, PodError
 
 from operator_cluster import create, events_with, manifest, phase_is, until
 
@@ -11,9 +11,11 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_an_address_error_says_whether_it_is_permanent():
-    assert not _pod_error(NoPodIP("pod a has no IP yet")).permanent
-    malformed = _pod_error(BadAdminPort("annotation graft.dev/admin-port must be a port number, got 'http'"))
-    assert malformed.permanent and malformed.kind == "misconfigured"
+    assert not PodError(NoPodIP("pod a has no IP yet").kind, "").permanent
+    malformed = BadAdminPort("annotation graft.dev/admin-port must be a port number, got 'http'")
+    assert PodError(malformed.kind, malformed.message).permanent
+    assert PERMANENT_ERRORS[malformed.kind] == "PodMisconfigured"
+    assert isinstance(malformed, ValueError), "callers that treat a bad annotation as bad input still do"
 
 
 async def test_a_malformed_admin_port_annotation_fails_the_rollout_at_once(cluster, namespace, fleet, operator,
