@@ -271,10 +271,17 @@ def route_logs(workdir: Path) -> None:
         root.setLevel(logging.INFO)
 
 
-def traffic_prompts(count: int = 64) -> list[str]:
-    """BBH chain-of-thought prompts for client traffic (data from GRAFT_DATA_DIR or ../shared/data)."""
-    from graft.bench.data import mixed_bbh_prompts
-    return [prompt.text for prompt in mixed_bbh_prompts(count)]
+def traffic_prompts(per_task: int = 2) -> list[str]:
+    """BBH chain-of-thought prompts for client traffic (data from GRAFT_DATA_DIR or ../shared/data).
+
+    The demo's three tasks: their few-shot prefixes stay in each pod's KV cache, so a request costs
+    its question and answer. The prefixes of all 27 tasks do not fit in it: every request then
+    prefills up to a thousand tokens, and three engines sharing two cores fall behind 2 requests a
+    second until every request outlasts the client's timeout.
+    """
+    from graft.bench.data import bbh_prompts
+    from graft.demo import DEMO_TASKS
+    return [prompt.text for prompt in bbh_prompts(tasks=DEMO_TASKS, per_task=per_task)]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -292,7 +299,7 @@ def main(args: argparse.Namespace) -> int:
             kc = cluster.kubeconfig.resolve()
             print(f"dev cluster up: {opts.pods} engine pods in namespace {opts.namespace}\n"
                   f"  kubectl --kubeconfig {kc} get pods,patchrollouts -n {opts.namespace}\n"
-                  f"  kubectl --kubeconfig {kc} apply -f examples/rollout-builtin.yaml\n"
+                  f"  kubectl --kubeconfig {kc} apply -f examples/rollout-dev-cluster.yaml\n"
                   f"  Prometheus: {cluster.prometheus.url if cluster.prometheus else '-'}\n"
                   f"  client traffic: {f'{rate:g} BBH prompts per second' if traffic else 'none (--traffic RPS)'}\n"
                   f"  logs: {opts.workdir.resolve()}/ (apiserver.log, devcluster.log, operator.log, pods/)\n"
