@@ -179,7 +179,7 @@ async def _observe(runtime: Runtime, admin, pod: dict[str, Any]) -> FleetPod:
             fp.error = "no pod IP yet"
             return fp
         fp.revision = await admin.revision(*address)
-    except (AdminError, ValueError) as e:
+    except (AdminError, podsmod.AddressError) as e:
         fp.error = str(e)
     return fp
 
