@@ -74,6 +74,7 @@ class ModelRunner:
             torch.set_num_threads(config.threads)
         if config.paths == "fast":
             model.fuse_qkv(pin=True)   # the fast `linear.qkv` is one matmul over these
+            model.fuse_mlp()
 
     # inputs
     def prepare(self, batch: ScheduledBatch) -> PreparedStep:

@@ -168,3 +168,19 @@ def test_weights_fused_at_load_survive_the_revert_of_a_patch_that_also_fuses():
     model.fuse_qkv()                    # prefill-fusion@3.2.1 applied on top ...
     model.unfuse_qkv()                  # ... and reverted
     assert model.is_qkv_fused
+
+
+def test_fused_gate_up_is_the_same_mlp_without_a_second_copy_of_its_weights():
+    from graft.engine.models.llama import MLP
+    cfg = ModelConfig(
+        vocab_size=32, hidden_size=48, intermediate_size=64, num_layers=1, num_heads=N_HEADS, num_kv_heads=N_KV,
+        head_dim=D, rope_theta=10000.0, rms_eps=1e-5, max_position=128, tie_embeddings=True,
+        bos_token_id=None, eos_token_id=None, name="tiny",
+    )
+    torch.manual_seed(0)
+    mlp = MLP(cfg).requires_grad_(False)
+    x = torch.randn(5, 48)
+    separate = mlp(x)
+    mlp.fuse()
+    torch.testing.assert_close(mlp(x), separate, atol=1e-6, rtol=1e-6)
+    assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up_weight.data_ptr()

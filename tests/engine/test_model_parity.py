@@ -114,19 +114,26 @@ def reference_logits(reference, prompts) -> list[torch.Tensor]:
         return [reference(torch.tensor([ids])).logits[0] for ids in prompts]
 
 
+@pytest.fixture(scope="module")
+def smollm_fast():
+    """The model as an engine on the fast paths holds it: QKV and gate/up fused at load."""
+    model, tok, cfg = load_model(None, torch.float32, torch.device("cpu"))
+    model.fuse_qkv(pin=True)
+    model.fuse_mlp()
+    return model, tok, cfg
+
+
 @pytest.fixture
-def family(request, smollm):
-    """A slot table; the fast one runs with the layers' QKV fused, as its patch leaves them."""
-    model = smollm[0]
+def family(request, smollm, smollm_fast):
+    """(model, slot table): the plain family on the model as loaded, the fast one on the fused model."""
     if request.param == "fast":
-        model.fuse_qkv()
-    yield FAMILIES[request.param]
-    model.unfuse_qkv()
+        return smollm_fast[0], FAMILIES["fast"]
+    return smollm[0], FAMILIES["plain"]
 
 
 @pytest.mark.parametrize("family", ["plain", "fast"], indirect=True)
 def test_every_position_matches_transformers_in_one_batched_prefill(smollm, family, prompts, reference_logits):
-    model, _, cfg = smollm
+    (model, family), cfg = family, smollm[2]
     assert len(prompts[-1]) > 700  # the BBH 3-shot prompt spans a dozen blocks
     kv = PagedKV(cfg, num_blocks=40)
     seqs = [Seq(ids) for ids in prompts]
@@ -152,7 +159,7 @@ def reference_greedy(reference, prompts) -> list[list[int]]:
 def test_chunked_prefill_then_greedy_decoding_match_transformers(
     smollm, family, prompts, reference_logits, reference_greedy
 ):
-    model, _, cfg = smollm
+    (model, family), cfg = family, smollm[2]
     kv = PagedKV(cfg, num_blocks=40, seed=1)
     code, bbh = Seq(list(prompts[1])), Seq(list(prompts[-1]))
     kv.step(model, family, [(code, len(code.tokens))], num_prefills=1)
