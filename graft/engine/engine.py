@@ -566,7 +566,7 @@ class LLMEngine:
         self.runner.release(seq)
         # counted before the client hears of it, so a scrape after an answer always includes it
         rev = self.revision
-        status = "error" if reason is FinishReason.ERROR else "ok"
+        status = "error" if reason is FinishReason.ERROR else "abandoned" if reason is FinishReason.ABORT else "ok"
         self.metrics.requests.labels(rev, status).inc()
         self.metrics.duration.labels(rev).observe(time.monotonic() - seq.arrival + delay)
         self.metrics.prompt_tokens.labels(rev).inc(seq.num_prompt_tokens)

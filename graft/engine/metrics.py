@@ -31,7 +31,7 @@ def geometric_buckets(start: float, stop: float, factor: float) -> tuple[float, 
 TOKEN_BUCKETS = geometric_buckets(0.001, 5.0, 1.2)        # 1 ms .. 5.266 s, 48 buckets
 LATENCY_BUCKETS = geometric_buckets(0.005, 120.0, 1.25)   # 5 ms .. 114.8 s, 46 buckets
 APPLY_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.25, 0.5, 1.0, 5.0)
-STATUSES = ("ok", "error", "rejected")
+STATUSES = ("ok", "error", "rejected", "abandoned")   # abandoned: the client hung up first
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")

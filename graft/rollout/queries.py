@@ -41,7 +41,8 @@ QUANTILES: dict[str, tuple[str, float]] = {
 class Series:
     """One number a check needs. `key` names it for the judge; `promql` asks Prometheus for it.
 
-    kind: count (requests of `side` with `status`, or all), quantile (`q` of histogram `metric`),
+    kind: count (requests of `side` with `status`, or all; `failed` is `error` or `abandoned`),
+    quantile (`q` of histogram `metric`),
     samples (observations in histogram `metric`), cpu (canary CPU utilisation), custom (a user query).
     """
 
@@ -107,9 +108,20 @@ def _sel(ctx: Context, side: str, **extra: str) -> str:
     return "{" + ",".join(f'{k}="{_quote(v)}"' for k, v in labels.items()) + "}"
 
 
+# A comparison counts a request its client gave up on (`abandoned`) as failed: a patch that hangs
+# requests makes clients time out, and a hung request never reaches `error`. Clients also hang up
+# for their own reasons (a user stops a chat), but they do so on both sides alike, so the difference
+# stays honest. Absolute checks count `error` alone: hang-ups would be background noise there.
+FAILED = "failed"
+FAILED_STATUSES = ("error", "abandoned")
+
+
 def count_query(ctx: Context, side: str, window: float, status: str | None = None) -> str:
-    extra = {"status": status} if status else {}
-    return f"sum(increase({REQUESTS}{_sel(ctx, side, **extra)}[{promql_duration(window)}]))"
+    """Requests of `side` over `window`: all, one `status`, or `failed` (any of FAILED_STATUSES)."""
+    selector = _sel(ctx, side, **({"status": status} if status and status != FAILED else {}))
+    if status == FAILED:
+        selector = selector[:-1] + f',status=~"{"|".join(FAILED_STATUSES)}"}}'
+    return f"sum(increase({REQUESTS}{selector}[{promql_duration(window)}]))"
 
 
 def quantile_query(ctx: Context, side: str, metric: str, q: float, window: float) -> str:
@@ -142,7 +154,7 @@ def plan(check, ctx: Context, window: float) -> list[Series]:
     if kind == "difference":
         return [Series(f"{side}_{what}", "count", side, status, window=window,
                        promql=count_query(ctx, side, window, status))
-                for side in (CANARY, STABLE) for what, status in (("requests", None), ("errors", "error"))]
+                for side in (CANARY, STABLE) for what, status in (("requests", None), ("errors", FAILED))]
     if kind == "quantile":
         metric, q = QUANTILES[check.metric]
         sides = (CANARY, STABLE) if check.max_ratio is not None else (CANARY,)

@@ -34,7 +34,7 @@ from graft.rollout import analysis as judge
 from graft.rollout.decision import ClearPromote, LabelPod, PatchPod, PauseRollout, SetWeight, UnpatchPod
 from graft.rollout.machine import analysis_due, decide, known_revision
 from graft.rollout.observation import Controls, Measurement, Observation, PodObservation
-from graft.rollout.queries import CANARY, Series
+from graft.rollout.queries import CANARY, FAILED, Series
 from graft.api import BASE, has_patch, with_patch, without_patch
 from graft.rollout.spec import RolloutSpec
 from graft.rollout.status import FINAL, PAUSED, PROMOTED, RolloutStatus
@@ -285,7 +285,7 @@ class Simulation:
     def _value(self, s: Series, now: float) -> float | None:
         revision = self.status.canary_revision if s.side == CANARY else self.status.stable_revision
         if s.kind == "count":
-            key = "errors" if s.status == "error" else "requests"
+            key = "errors" if s.status in ("error", FAILED) else "requests"
             got = self.counters.increase(revision, key, now, s.window)
             if got is None:
                 return None

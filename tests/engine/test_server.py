@@ -132,7 +132,13 @@ def test_chat_rejects_bad_messages_and_keeps_serving(engine):
     assert chat(engine.url, "Say yes.", max_tokens=4).status_code == 200
 
 
-def test_a_client_that_hangs_up_frees_its_blocks(engine):
+def test_a_client_that_hangs_up_frees_its_blocks_and_is_counted_abandoned(engine):
+    """A hung-up request is neither `ok` nor `error`: `abandoned`, which a canary-vs-stable
+    comparison counts as failed (a patch that hangs requests shows up as clients giving up)."""
+    def outcomes() -> dict[str, float]:
+        text = httpx.get(engine.url + "/metrics").text
+        return {s: metric_value(text, "graft_requests_total", status=s) for s in ("ok", "error", "abandoned")}
+    before = outcomes()
     body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", engine.url + "/v1/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
@@ -146,6 +152,8 @@ def test_a_client_that_hangs_up_frees_its_blocks(engine):
         time.sleep(0.2)
     assert metric_value(text, "graft_num_requests_running") == 0
     assert metric_value(text, "graft_kv_cache_usage_ratio") == 0
+    after = outcomes()
+    assert {s: after[s] - before[s] for s in after} == {"ok": 0, "error": 0, "abandoned": 1}
 
 
 def test_health_ready_models_and_metrics(engine):

@@ -274,7 +274,7 @@ class FakePrometheus:
 
     async def _query(self, request: web.Request) -> web.Response:
         self.seen.append(dict(request.headers))
-        value = "0" if 'status="error"' in request.query["query"] else "100"
+        value = "0" if re.search(r'status=~?"error', request.query["query"]) else "100"
         return web.json_response({"status": "success", "data": {"resultType": "vector", "result": [
             {"metric": {}, "value": [time.time(), value]}]}})
 
