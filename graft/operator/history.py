@@ -7,10 +7,11 @@
   its `spec.revisionHistoryLimit`, oldest first, with the Event HistoryPruned on the fleet naming
   each one (and, on the way, any whose TTL has run out).
 
-Both run every tick, so a deletion comes at most a tick late. Each one is made under the rollout's
-own lock, after reading it again: a rollout retried (`graft rollout retry`) or finished anew since
-the list was read is left alone. The finalizer then runs as for any deletion; a finished rollout
-has nothing left to revert.
+A TTL is checked every tick, a fleet's history every four (each time a list of its namespace's
+rollouts), so a deletion comes at most that late. Each one is made under the rollout's own lock,
+after reading it again: a rollout retried (`graft rollout retry`) or finished anew since the list
+was read is left alone. The finalizer then runs as for any deletion; a finished rollout has nothing
+left to revert.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from graft.rollout.history import HISTORY_PRUNED, Deletion, finished, plan, reco
 from graft.rollout.spec import SpecError, parse_fleet_spec
 
 TTL_FIELD = "ttlSecondsAfterFinished"
+PRUNE_TICKS = 4      # housekeeping: a fleet's rollouts are listed every few ticks, not every one
 
 
 def register(runtime: Runtime, rollouts: dict[str, Any], fleets: dict[str, Any]) -> None:
@@ -37,7 +39,7 @@ def register(runtime: Runtime, rollouts: dict[str, Any], fleets: dict[str, Any])
     async def ttl_ticked(body: kopf.Body, **_: Any) -> None:
         await expire(runtime, body)
 
-    @kopf.timer(**fleets, id="fleet-history", interval=runtime.settings.tick)
+    @kopf.timer(**fleets, id="fleet-history", interval=runtime.settings.tick * PRUNE_TICKS)
     async def history_ticked(body: kopf.Body, **_: Any) -> None:
         await prune(runtime, body)
 
