@@ -39,6 +39,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
+from graft.api import FINAL_PHASES as FINAL
 from graft.bench.data import bbh_prompts
 from graft.devcluster.cluster import APP, ROOT, ClusterOptions, DevCluster, object_path
 from graft.devcluster.traffic import TrafficStats
@@ -47,7 +48,6 @@ from graft.operator.render import render_status
 from graft.rollout.fleet import PATCHED_CONDITION
 from graft.rollout.spec import DEFAULT_STEPS, parse_spec
 
-FINAL = {"Promoted", "RolledBack", "Failed"}
 DEMO_TASKS = ["date_understanding", "boolean_expressions", "sports_understanding"]
 EXAMPLES = ("rollout-cpu-fleet.yaml", "rollout-fault-test.yaml")
 EXPECTED = ["Promoted", "RolledBack"]       # how each example ends

@@ -21,9 +21,9 @@ from typing import Any
 
 from rich.console import Console
 
-from graft.operator.render import FINAL, render_status
+from graft.api import FINAL_PHASES as FINAL, GROUP, ROLLOUTS as PLURAL, VERSION
+from graft.operator.render import render_status
 
-GROUP, VERSION, PLURAL = "graft.dev", "v1alpha1", "patchrollouts"
 
 
 class CliError(Exception):

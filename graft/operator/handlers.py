@@ -16,6 +16,7 @@ from typing import Any
 
 import kopf
 
+from graft.api import FLEETS as FLEET_PLURAL, GROUP, ROLLOUTS as PLURAL, VERSION
 from graft.operator import events, history
 from graft.operator.fleet import reconcile_fleet
 from graft.operator.kube import fleet_path, rollout_path
@@ -26,8 +27,6 @@ from graft.rollout.decision import Event
 from graft.rollout.spec import SpecError, parse_spec
 from graft.rollout.status import FINAL, RolloutStatus
 
-GROUP, VERSION, PLURAL = "graft.dev", "v1alpha1", "patchrollouts"
-FLEET_PLURAL = "patchfleets"
 FINALIZER = "graft.dev/finalizer"
 
 

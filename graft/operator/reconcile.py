@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from graft.api import API_VERSION
 from graft.operator import pods as podsmod
 from graft.operator.admin import AdminClient, AdminError
 from graft.operator.bundles import load_source
@@ -63,7 +64,7 @@ async def reconcile(runtime: Runtime, body: dict[str, Any], now: float, *, abort
     return await _write(runtime, body, stored, Result(status, events))
 
 
-TEMPLATE_GROUP = "/apis/graft.dev/v1alpha1"
+TEMPLATE_GROUP = f"/apis/{API_VERSION}"
 
 
 async def load_templates(runtime: Runtime, body: dict[str, Any]) -> dict[tuple[str, bool], dict[str, Any]]:

@@ -18,10 +18,10 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from graft.api import FINAL_PHASES as FINAL
 from graft.operator.pods import is_ready
 from graft.rollout.spec import DEFAULT_STEPS
 
-FINAL = ("Promoted", "RolledBack", "Failed")
 COARSE_STEPS = "CoarseSteps"
 PHASE_STYLE = {"Progressing": "cyan", "Paused": "yellow", "Promoted": "green", "RollingBack": "red",
                "RolledBack": "red", "Failed": "bold red", "Pending": "dim"}

@@ -22,13 +22,12 @@ from scipy.stats import binom
 
 from graft.rollout.machine import analysis_due
 from graft.rollout.observation import Measurement, PodError
-from graft.rollout.status import RolloutStatus
+from graft.rollout.status import FINAL, RolloutStatus
 
 from rollout_fleet import Fleet, make_spec
 
 ERROR_MAX, LATENCY_MAX, CPU_MAX, SUCCESS_MIN = 0.005, 0.8, 0.92, 0.999
 ROLLBACK_CONFIDENCE, CONFIDENCE = 0.999, 0.95
-FINAL = ("Promoted", "RolledBack", "Failed")
 
 
 def breaches(errors: int, requests: int) -> bool:
