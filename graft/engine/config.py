@@ -184,5 +184,5 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         if not action.option_strings or value is None or value == getattr(defaults, action.dest):
             continue
         flag = action.option_strings[0]
-        out += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]
+        out += [flag] if action.nargs == 0 else [flag, str(value)]   # a switch, or a flag with its value
     return out
