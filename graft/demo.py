@@ -42,13 +42,13 @@ from rich.table import Table
 from graft.api import FINAL_PHASES as FINAL
 from graft.bench.data import bbh_prompts
 from graft.devcluster.cluster import APP, ROOT, ClusterOptions, DevCluster, object_path
-from graft.devcluster.traffic import TrafficStats
+from graft.devcluster.traffic import TRAFFIC_TASKS, TrafficStats
 from graft.operator.pods import PATCHES_ANNOTATION, TRACK_LABEL, admin_address, is_ready
 from graft.operator.render import render_status
 from graft.rollout.fleet import PATCHED_CONDITION
 from graft.rollout.spec import DEFAULT_STEPS, parse_spec
 
-DEMO_TASKS = ["date_understanding", "boolean_expressions", "sports_understanding"]
+DEMO_TASKS = list(TRAFFIC_TASKS)
 EXAMPLES = ("rollout-cpu-fleet.yaml", "rollout-fault-test.yaml")
 EXPECTED = ["Promoted", "RolledBack"]       # how each example ends
 DEPLOYMENT = FLEET = "llm-engine"           # the dev cluster's engine Deployment, and the PatchFleet of its pods

@@ -272,16 +272,11 @@ def route_logs(workdir: Path) -> None:
 
 
 def traffic_prompts(per_task: int = 2) -> list[str]:
-    """BBH chain-of-thought prompts for client traffic (data from GRAFT_DATA_DIR or ../shared/data).
-
-    The demo's three tasks: their few-shot prefixes stay in each pod's KV cache, so a request costs
-    its question and answer. The prefixes of all 27 tasks do not fit in it: every request then
-    prefills up to a thousand tokens, and three engines sharing two cores fall behind 2 requests a
-    second until every request outlasts the client's timeout.
-    """
+    """BBH chain-of-thought prompts of `TRAFFIC_TASKS` for client traffic (data from GRAFT_DATA_DIR
+    or ../shared/data)."""
     from graft.bench.data import bbh_prompts
-    from graft.demo import DEMO_TASKS
-    return [prompt.text for prompt in bbh_prompts(tasks=DEMO_TASKS, per_task=per_task)]
+    from graft.devcluster.traffic import TRAFFIC_TASKS
+    return [prompt.text for prompt in bbh_prompts(tasks=list(TRAFFIC_TASKS), per_task=per_task)]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ import pytest
 from graft.cli import build_parser
 from graft.devcluster import cluster
 from graft.devcluster.apiserver import ApiServer
-from graft.devcluster.traffic import Router, Traffic
+from graft.devcluster.traffic import TRAFFIC_TASKS, Router, Traffic
 
 
 @pytest.fixture
@@ -54,8 +54,8 @@ async def test_api_calls_are_logged_to_a_file_in_the_cluster_folder_not_the_term
 
 @pytest.fixture
 def bbh(tmp_path, monkeypatch):
-    """Two BBH tasks in the real data set's layout, found through GRAFT_DATA_DIR."""
-    for task in ("navigate", "web_of_lies"):
+    """The traffic's BBH tasks in the real data set's layout, found through GRAFT_DATA_DIR."""
+    for task in TRAFFIC_TASKS:
         for folder in ("bbh", "cot-prompts"):
             (tmp_path / "data" / "bbh" / folder).mkdir(parents=True, exist_ok=True)
         (tmp_path / "data" / "bbh" / "bbh" / f"{task}.json").write_text(json.dumps(
