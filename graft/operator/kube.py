@@ -101,6 +101,14 @@ def fleet_path(namespace: str, name: str | None = None) -> str:
     return f"/apis/graft.dev/v1alpha1/namespaces/{quote(namespace)}/patchfleets" + (f"/{quote(name)}" if name else "")
 
 
+def template_path(namespace: str, name: str) -> str:
+    return f"/apis/graft.dev/v1alpha1/namespaces/{quote(namespace)}/patchanalysistemplates/{quote(name)}"
+
+
+def cluster_template_path(name: str) -> str:
+    return f"/apis/graft.dev/v1alpha1/clusterpatchanalysistemplates/{quote(name)}"
+
+
 def secret_value(secret: dict[str, Any], key: str) -> str | None:
     """A Secret's value under `key` (data is base64, stringData plain), or None."""
     if key in (secret.get("stringData") or {}):

@@ -12,11 +12,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from graft.api import API_VERSION
 from graft.operator import pods as podsmod
 from graft.operator.admin import AdminClient, AdminError
 from graft.operator.bundles import load_source
-from graft.operator.kube import fleet_path, rollout_path
+from graft.operator.kube import cluster_template_path, fleet_path, rollout_path, template_path
 from graft.operator.pods import AddressError, NoPodIP
 from graft.operator.routers import RouteError, Router, router_for
 from graft.operator.problems import BundleError, SecretError, TokenError
@@ -64,16 +63,12 @@ async def reconcile(runtime: Runtime, body: dict[str, Any], now: float, *, abort
     return await _write(runtime, body, stored, Result(status, events))
 
 
-TEMPLATE_GROUP = f"/apis/{API_VERSION}"
-
-
 async def load_templates(runtime: Runtime, body: dict[str, Any]) -> dict[tuple[str, bool], dict[str, Any]]:
     """The specs of the analysis templates the rollout names (those that exist)."""
     namespace = body["metadata"]["namespace"]
     out = {}
     for name, cluster in template_refs(body.get("spec") or {}):
-        path = (f"{TEMPLATE_GROUP}/clusterpatchanalysistemplates/{name}" if cluster
-                else f"{TEMPLATE_GROUP}/namespaces/{namespace}/patchanalysistemplates/{name}")
+        path = cluster_template_path(name) if cluster else template_path(namespace, name)
         found = await runtime.kube.get(path)
         if found is not None:
             out[(name, cluster)] = found.get("spec") or {}

@@ -19,10 +19,15 @@ from graft.devcluster.traffic import TRAFFIC_TASKS, Router, Traffic
 
 @pytest.fixture
 def restored_logging():
-    """route_logs changes process-wide logging: put it back after the test."""
-    root, access = logging.getLogger(), logging.getLogger("aiohttp.access")
+    """route_logs changes process-wide logging: put it back after the test. httpx's logger starts
+    as a fresh process has it (another test in this process may have quietened it, as the
+    operator's and the bench's entry points do)."""
+    root, access, client = logging.getLogger(), logging.getLogger("aiohttp.access"), logging.getLogger("httpx")
     saved = (root.level, list(root.handlers), [h.level for h in root.handlers], list(access.handlers), access.propagate)
+    client_level = client.level
+    client.setLevel(logging.NOTSET)
     yield
+    client.setLevel(client_level)
     root.setLevel(saved[0])
     for handler in root.handlers[:]:
         if handler not in saved[1]:
