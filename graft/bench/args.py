@@ -44,7 +44,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="same as --baseline none")
     p.add_argument("--allow-load", action="store_true",
                    help=f"run even when the 1-minute load average is above {MAX_LOAD} (figures then say little)")
-    p.add_argument("--out", default="docs/bench", help="folder for JSON results and PNG plots")
+    p.add_argument("--out", default=".graft-bench",
+                   help="folder for JSON results and PNG plots (docs/bench/... to refresh the committed figures)")
     p.add_argument("--workload", default="both", choices=["mixed", "one-task", "both"],
                    help="throughput prompts: round-robin over all BBH tasks (no shared prefix), one task "
                         "(shared 3-shot prefix), or both")

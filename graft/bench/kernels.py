@@ -1,6 +1,6 @@
 """Suite `kernels`: each Graft Triton kernel against its torch twin, on SmolLM2-135M shapes.
 
-    graft bench kernels [--quick] [--budget-s 100] [--out docs/bench]     (writes kernels.json)
+    graft bench kernels [--quick] [--budget-s 100] [--out .graft-bench]  (writes kernels.json)
 
 Shapes: 9 query heads, 3 KV heads, head dim 64, 64-token cache blocks; batches 1..64, contexts
 128..4096, fp16 and bf16. Every case first checks the kernel against its twin (the twin computes
