@@ -72,8 +72,9 @@ def test_template_crds_one_namespaced_one_cluster_wide():
         "graft.dev", "v1alpha1", "patchanalysistemplates", True)
     assert (cluster.plural, cluster.namespaced) == ("clusterpatchanalysistemplates", False)
     # the paths the operator reads them from (graft.operator.reconcile.load_templates)
-    from graft.operator.reconcile import TEMPLATE_GROUP
-    assert TEMPLATE_GROUP == f"/apis/{ns.group}/{ns.version}"
+    from graft.operator.kube import cluster_template_path, template_path
+    assert template_path("llm", "slo") == f"/apis/{ns.group}/{ns.version}/namespaces/llm/{ns.plural}/slo"
+    assert cluster_template_path("slo") == f"/apis/{cluster.group}/{cluster.version}/{cluster.plural}/slo"
 
 
 def test_crd_defaults_equal_the_spec_model_defaults():
