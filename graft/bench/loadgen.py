@@ -343,12 +343,3 @@ def _error_message(body: str) -> str:
     if isinstance(err, dict):
         return str(err.get("message", err))[:200]
     return str(err)[:200]
-
-
-def run_load(base_url: str, requests: Sequence[Request], concurrency: int, *, model: str | None = None,
-             timeout: float = 600.0) -> LoadReport:
-    """Blocking convenience around `LoadGenerator.run` for scripts."""
-    async def go() -> LoadReport:
-        async with LoadGenerator(base_url, model, timeout=timeout) as gen:
-            return await gen.run(requests, concurrency)
-    return asyncio.run(go())
