@@ -33,6 +33,9 @@ class FakeEngine:
     rps: float = 200.0
     health: dict[str, Health] = field(default_factory=dict)    # by revision; default: healthy
     refuse: int | None = None          # answer POST /admin/patches with this status
+    rotated_token: str | None = None   # a token rotation under way: `token` is refused ...
+    refusals_left: int = 0             # ... this many more times, then `rotated_token` is the token
+    refused: int = 0                   # admin calls refused for their token
     applied: dict[str, str] = field(default_factory=dict)      # name -> version
     posts: int = 0
     deletes: int = 0
@@ -87,6 +90,11 @@ class FakeEngine:
         if scheme.lower() != "bearer" or not given:
             return _error(401, "missing bearer token")
         if not hmac.compare_digest(given.encode(), self.token.encode()):
+            self.refused += 1
+            if self.rotated_token is not None:
+                self.refusals_left -= 1
+                if self.refusals_left <= 0:   # the engine has read its rotated token file
+                    self.token, self.rotated_token = self.rotated_token, None
             return _error(403, "wrong token")
         return None
 
