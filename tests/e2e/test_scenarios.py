@@ -204,16 +204,15 @@ async def test_faulty_patch_is_rolled_back_at_the_first_step(fleet: Fleet, traff
     (breaker,) = parse_spec(ro["spec"]).analysis.breakers
     confidence = parse_spec(ro["spec"]).analysis.rollback_confidence
     assert breaker.name == "error-rate" and breaker.consecutive == 2
-    first_breach: list[float] = []
+    seen: list[tuple[float, bool]] = []     # (when, the window's counts breach at the confidence)
 
     async def watch_errors() -> None:
-        """The test's own verdict on the breaker's window: would these counts be rarer than
-        1 - rollbackConfidence at the breaker's limit?"""
-        while not first_breach:
+        """The test's own verdict on the breaker's window, read from Prometheus four times a
+        second: would these counts be rarer than 1 - rollbackConfidence at the breaker's limit?"""
+        while True:
             n, k = await fleet.counts(revision, breaker.window)
             n, k = round(n), round(k)
-            if k and binom.sf(k - 1, n, breaker.max) < 1 - confidence:
-                first_breach.append(time.time())
+            seen.append((time.time(), bool(k) and binom.sf(k - 1, n, breaker.max) < 1 - confidence))
             await asyncio.sleep(0.25)
 
     started = time.time()
@@ -229,16 +228,29 @@ async def test_faulty_patch_is_rolled_back_at_the_first_step(fleet: Fleet, traff
     assert final.phase == "RolledBack", st.get("message")
     assert st["reason"] == "AnalysisFailed" and st["stepIndex"] == 0
     assert st["analysis"]["verdict"] == "Failed" and "breaker error-rate" in st["message"]
-    assert first_breach, "Prometheus never showed the canary breaching"
     decided = from_time(st["analysis"]["lastRun"])
+    before = [(t, b) for t, b in seen if t < decided]
+    assert any(b for _, b in before), "Prometheus never showed the canary breaching before the rollback"
+    # A window of ten canary requests breaches and recovers as requests enter and leave it (2 of 9
+    # is a breach at 0.999, 2 of 10 is not), and `consecutive` counts consecutive breaching runs:
+    # the clock starts when the breach the rule acted on began, the last uninterrupted streak of
+    # breaching readings before the decision.
+    last = max(i for i, (_, b) in enumerate(before) if b)
+    first = last
+    while first > 0 and before[first - 1][1]:
+        first -= 1
+    breach = before[first][0]
     # counted in analysis runs, not seconds: a loaded machine stretches the timer, not the rule.
     # The deciding run is the breaker's `consecutive`-th after the breach showed, one more allowed
     # for a run whose query went out just before the test's own query saw it.
     runs = sorted({from_time(t) for s in rec.samples if (t := s.status.get("analysis", {}).get("lastRun"))})
-    after = [t for t in runs if first_breach[0] < t <= decided]
+    after = [t for t in runs if breach < t <= decided]
     assert decided in runs and len(after) <= breaker.consecutive + 1, \
-        f"rolled back by the {len(after)}th analysis run after the data first breached " \
-        f"({decided - first_breach[0]:.1f}s, interval {interval:g}s)"
+        f"rolled back by the {len(after)}th analysis run after the breach began " \
+        f"({decided - breach:.1f}s, interval {interval:g}s)"
+    # and the breaker counted its breaches in consecutive runs up to the decision
+    fails = [e["message"] for e in await fleet.events(name) if e["reason"] == "AnalysisFailed"]
+    assert fails and f"(breach {breaker.consecutive}/{breaker.consecutive})" in fails[-1], fails
     events = await fleet.events(name)
     rs = reasons(events)
     assert rs.index("AnalysisFailed") < rs.index("RollingBack") < rs.index("RolledBack")
@@ -250,7 +262,7 @@ async def test_faulty_patch_is_rolled_back_at_the_first_step(fleet: Fleet, traff
     assert canaries and any(o.pod in canaries for o in traffic.failed(started)), "no request saw the fault"
     injected = sorted(o.at + o.latency for o in traffic.failed(started) if o.status == 500)
     print(f"injected errors answered {[round(t - started, 1) for t in injected[:3]]}s after the start, a breach "
-          f"in Prometheus {first_breach[0] - started:.1f}s, rolled back by the run {decided - first_breach[0]:.1f}s later")
+          f"in Prometheus {breach - started:.1f}s, rolled back by the run {decided - breach:.1f}s later")
     assert_clients(traffic, started, final.t, allowed=lambda o: (
         o.status == 500 and "injected fault" in o.error and o.pod in canaries and o.at <= final.t))
 
