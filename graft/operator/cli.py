@@ -21,7 +21,7 @@ from typing import Any
 
 from rich.console import Console
 
-from graft.api import FINAL_PHASES as FINAL, GROUP, ROLLOUTS as PLURAL, VERSION
+from graft.api import FINAL_PHASES, GROUP, ROLLOUTS as PLURAL, VERSION
 from graft.operator.render import render_status
 
 
@@ -133,7 +133,7 @@ def _resume(api, namespace, args, console) -> int:
 
 def _promote(api, namespace, args, console) -> int:
     phase = (_get(api, namespace, args.name).get("status") or {}).get("phase")
-    if phase in FINAL:
+    if phase in FINAL_PHASES:
         raise CliError(f"PatchRollout {namespace}/{args.name} is {phase}: nothing to promote")
     how = "full" if args.full else "step"
     _annotate(api, namespace, args.name, "graft.dev/promote", how)
@@ -144,7 +144,7 @@ def _promote(api, namespace, args, console) -> int:
 
 def _abort(api, namespace, args, console) -> int:
     phase = (_get(api, namespace, args.name).get("status") or {}).get("phase")
-    if phase in FINAL:
+    if phase in FINAL_PHASES:
         raise CliError(f"PatchRollout {namespace}/{args.name} is {phase}: nothing to abort")
     _annotate(api, namespace, args.name, "graft.dev/abort", "true")
     console.print(f"PatchRollout {namespace}/{args.name}: abort requested")
@@ -178,7 +178,7 @@ def _status(api, namespace, args, console) -> int:
     from rich.live import Live
 
     with Live(render_status(obj, events=events, pods=pods), console=console, auto_refresh=False) as live:
-        while (obj.get("status") or {}).get("phase") not in FINAL:
+        while (obj.get("status") or {}).get("phase") not in FINAL_PHASES:
             time.sleep(args.interval)
             obj, events, pods = _status_of(api, namespace, args.name)
             live.update(render_status(obj, events=events, pods=pods), refresh=True)

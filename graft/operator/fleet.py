@@ -27,7 +27,7 @@ from graft.rollout.fleet import (PATCHED_CONDITION, ApplyPatch, FleetPod, MarkPo
 from graft.api import patches_of
 from graft.rollout.spec import (FleetSpec, LabelSelector, PatchSpec, SpecError, parse_fleet_spec,
                                 parse_selector, patch_to_dict)
-from graft.rollout.status import FINAL, PENDING, from_time, to_time
+from graft.rollout.status import PENDING, from_time, to_time
 
 ACTIVE_PHASES = ("Progressing", "Paused", "RollingBack")
 
@@ -347,4 +347,4 @@ async def record_promotion(kube: Kube, namespace: str, fleet: str, patch: PatchS
 
 
 __all__ = ["reconcile_fleet", "find_or_create_fleet", "create_for_gated_pods", "record_promotion", "active_rollout",
-           "FleetSpec", "PENDING", "FINAL"]
+           "FleetSpec", "PENDING"]

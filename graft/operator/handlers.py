@@ -16,7 +16,7 @@ from typing import Any
 
 import kopf
 
-from graft.api import FLEETS as FLEET_PLURAL, GROUP, ROLLOUTS as PLURAL, VERSION
+from graft.api import FINAL_PHASES, FLEETS as FLEET_PLURAL, GROUP, ROLLOUTS as PLURAL, VERSION
 from graft.operator import events, history
 from graft.operator.fleet import reconcile_fleet
 from graft.operator.kube import fleet_path, rollout_path
@@ -25,7 +25,7 @@ from graft.operator.routers import RouteError, router_for
 from graft.operator.runtime import Runtime
 from graft.rollout.decision import Event
 from graft.rollout.spec import SpecError, parse_spec
-from graft.rollout.status import FINAL, RolloutStatus
+from graft.rollout.status import RolloutStatus
 
 FINALIZER = "graft.dev/finalizer"
 
@@ -133,7 +133,7 @@ async def converge_fleet_now(runtime: Runtime, body: kopf.Body) -> None:
 def _settled(rollout: dict[str, Any]) -> bool:
     """A final phase needs nothing more, unless it is a refused spec that may have been fixed since."""
     status = RolloutStatus.from_dict(rollout.get("status"))
-    return status.phase in FINAL and status.reason != "InvalidSpec"
+    return status.phase in FINAL_PHASES and status.reason != "InvalidSpec"
 
 
 async def finalize(runtime: Runtime, body: kopf.Body) -> None:

@@ -28,10 +28,10 @@ from graft.rollout.decision import (Action, ClearPromote, Event, LabelPod, Patch
 from graft.rollout.machine import QUEUED, analysis_due, decide, known_revision
 from graft.rollout.observation import (UNREACHABLE, Controls, Measurement, Observation, PodError,
                                        PodObservation, Problem)
-from graft.api import patches_of
+from graft.api import FINAL_PHASES, patches_of
 from graft.rollout.spec import (REVERT, PatchSource, PatchSpec, RolloutSpec, SpecError, parse_fleet_spec, parse_spec,
                                 template_refs)
-from graft.rollout.status import (FAILED, FINAL, PAUSED, PENDING, PROGRESSING, ROLLING_BACK, RolloutStatus,
+from graft.rollout.status import (FAILED, PAUSED, PENDING, PROGRESSING, ROLLING_BACK, RolloutStatus,
                                   from_time)
 
 PROMOTE_ANNOTATION = "graft.dev/promote"
@@ -57,7 +57,7 @@ async def reconcile(runtime: Runtime, body: dict[str, Any], now: float, *, abort
         return await _write(runtime, body, stored, _invalid(stored, e, body))
     if stored.phase == FAILED and stored.reason == "InvalidSpec":
         stored = RolloutStatus()    # the spec was fixed: start over
-    if stored.phase in FINAL:
+    if stored.phase in FINAL_PHASES:
         return Result(stored)
     status, events = await Reconciliation(runtime, spec, body, now, abort).run(stored)
     return await _write(runtime, body, stored, Result(status, events))

@@ -20,8 +20,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from graft.api import FINAL_PHASES
 from graft.rollout.spec import REVERT, SpecError, parse_selector, parse_ttl
-from graft.rollout.status import FAILED, FINAL, PROMOTED, from_time
+from graft.rollout.status import FAILED, PROMOTED, from_time
 
 TTL_EXPIRED = "TTLExpired"
 HISTORY_PRUNED = "HistoryPruned"
@@ -90,7 +91,7 @@ def _kept(n: int) -> str:
 def finished(status: Mapping[str, Any] | None) -> bool:
     """Whether a rollout with this `status` is finished (see the module's docstring)."""
     status = status or {}
-    return status.get("phase") in FINAL and not (status.get("phase") == FAILED and status.get("reason") == INVALID_SPEC)
+    return status.get("phase") in FINAL_PHASES and not (status.get("phase") == FAILED and status.get("reason") == INVALID_SPEC)
 
 
 def finished_at(status: Mapping[str, Any] | None) -> float | None:

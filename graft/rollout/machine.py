@@ -25,9 +25,9 @@ from graft.rollout.decision import (ClearPromote, Decision, Event, LabelPod, Pat
                                     RecordPromotion, SetWeight, UnpatchPod)
 from graft.rollout.durations import format_duration
 from graft.rollout.observation import PERMANENT_ERRORS, VERIFY_FAILED, Observation, PodObservation
-from graft.api import has_patch, patches_of, with_patch, without_patch
+from graft.api import FINAL_PHASES, has_patch, patches_of, with_patch, without_patch
 from graft.rollout.spec import REVERT, RolloutSpec
-from graft.rollout.status import (CANARY, FAILED, FINAL, PAUSED, PENDING, PROGRESSING, PROMOTED,
+from graft.rollout.status import (CANARY, FAILED, PAUSED, PENDING, PROGRESSING, PROMOTED,
                                   ROLLED_BACK, ROLLING_BACK, STABLE, PodRecord, RolloutStatus)
 
 WARNING = "Warning"
@@ -123,7 +123,7 @@ class _Machine:
     # top level
     def run(self) -> None:
         self.status.observed_generation = self.obs.generation
-        if self.status.phase in FINAL:
+        if self.status.phase in FINAL_PHASES:
             return
         if self.status.phase == PENDING:
             self.pending()
@@ -262,7 +262,7 @@ class _Machine:
             elif not wants:
                 record.patched_at = None
             revision = self.canary_form(record.revision) if wants else self.stable_form(record.revision)
-            track = STABLE if self.status.phase in FINAL + (ROLLING_BACK,) else record.track
+            track = STABLE if self.status.phase in FINAL_PHASES | {ROLLING_BACK} else record.track
             if act and (pod.track != track or pod.patches != revision):
                 self.actions.append(LabelPod(pod.name, track, revision))
         if act:
@@ -281,7 +281,7 @@ class _Machine:
             wants = self.wants_patch(record)
             base = pod.patches or record.revision or self.status.stable_revision or "base"
             revision = self.canary_form(base) if wants else self.stable_form(base)
-            track = STABLE if self.status.phase in FINAL + (ROLLING_BACK,) else record.track
+            track = STABLE if self.status.phase in FINAL_PHASES | {ROLLING_BACK} else record.track
             if pod.track != track or pod.patches != revision:
                 self.actions.append(LabelPod(pod.name, track, revision))
 

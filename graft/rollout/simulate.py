@@ -35,9 +35,9 @@ from graft.rollout.decision import ClearPromote, LabelPod, PatchPod, PauseRollou
 from graft.rollout.machine import analysis_due, decide, known_revision
 from graft.rollout.observation import Controls, Measurement, Observation, PodObservation
 from graft.rollout.queries import CANARY, FAILED, Series
-from graft.api import BASE, has_patch, with_patch, without_patch
+from graft.api import BASE, FINAL_PHASES, has_patch, with_patch, without_patch
 from graft.rollout.spec import RolloutSpec
-from graft.rollout.status import FINAL, PAUSED, PROMOTED, RolloutStatus
+from graft.rollout.status import PAUSED, PROMOTED, RolloutStatus
 
 
 def _geometric(start: float, stop: float, factor: float) -> tuple[float, ...]:
@@ -364,7 +364,7 @@ class Simulation:
             self.counters.snapshot(now)
             self._tick(now)
             s = self.status
-            if s.phase in FINAL or (s.phase == PAUSED and s.pause_generation is not None):
+            if s.phase in FINAL_PHASES or (s.phase == PAUSED and s.pause_generation is not None):
                 break
         s = self.status
         return Outcome(s.phase, s.reason, now, s.step_index + 1, s.message, [e.reason for e in self.events])
@@ -420,7 +420,7 @@ def summarise(outcomes: list[Outcome]) -> Summary:
     steps: dict[int, int] = {}
     for o in rolled:
         steps[o.step] = steps.get(o.step, 0) + 1
-    decided = [o.seconds for o in outcomes if o.phase in FINAL or o.phase == PAUSED]
+    decided = [o.seconds for o in outcomes if o.phase in FINAL_PHASES or o.phase == PAUSED]
     return Summary(len(outcomes), promoted, len(rolled), paused,
                    len(outcomes) - promoted - len(rolled) - paused,
                    statistics.median(decided) if decided else math.nan, dict(sorted(steps.items())))

@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from graft.api import Phase, Track
+from graft.api import FINAL_PHASES, Phase, Track
 
 # plain strings, as the object stores them (YAML and JSON writers take no enum)
 PENDING, PROGRESSING, PAUSED = Phase.PENDING.value, Phase.PROGRESSING.value, Phase.PAUSED.value
 PROMOTED, ROLLING_BACK = Phase.PROMOTED.value, Phase.ROLLING_BACK.value
 ROLLED_BACK, FAILED = Phase.ROLLED_BACK.value, Phase.FAILED.value
 PHASES = tuple(p.value for p in Phase)
-FINAL = tuple(p.value for p in Phase if p.final)
 CANARY, STABLE = Track.CANARY.value, Track.STABLE.value
 
 
@@ -174,7 +173,7 @@ class RolloutStatus:
             ("Healthy", verdict in (None, "Successful"), verdict or "NotAnalysed",
              "; ".join(r.message for r in self.analysis.results if r.verdict not in ("Successful", "Skipped")
                        and not r.dry_run)[:1024]),
-            ("Completed", self.phase in FINAL, self.reason or self.phase, self.message if self.phase in FINAL else ""),
+            ("Completed", self.phase in FINAL_PHASES, self.reason or self.phase, self.message if self.phase in FINAL_PHASES else ""),
         ]
         old = {c.get("type"): c for c in self.conditions}
         out = []

@@ -28,8 +28,7 @@ from graft.devcluster.traffic import Outcome, Router, Traffic, TrafficStats
 from graft.operator.kube import fleet_path
 from graft.operator.pods import PATCHES_ANNOTATION, TRACK_LABEL, admin_address, is_ready
 from graft.rollout.queries import CANARY, Context, count_query
-from graft.api import BASE, patches_of
-from graft.rollout.status import FINAL
+from graft.api import BASE, FINAL_PHASES, patches_of
 
 T = TypeVar("T")
 GROUP_VERSION = "graft.dev/v1alpha1"
@@ -442,7 +441,7 @@ class Recorder:
         return await Fleet.wait_for(probe, timeout, f"{self.name}: {what}", interval=0.1)
 
     async def final(self, timeout: float) -> Sample:
-        return await self.until(lambda s: s.phase in FINAL, timeout, "a final phase")
+        return await self.until(lambda s: s.phase in FINAL_PHASES, timeout, "a final phase")
 
     def between(self, start: float, end: float) -> list[Sample]:
         return [s for s in self.samples if start <= s.t <= end]

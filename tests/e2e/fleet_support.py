@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,12 +212,12 @@ async def phase_of(fleet: Fleet, name: str) -> str | None:
     return ((ro or {}).get("status") or {}).get("phase")
 
 
-async def until_phase(fleet: Fleet, name: str, phases: tuple[str, ...], timeout: float) -> dict[str, Any]:
+async def until_phase(fleet: Fleet, name: str, phases: Collection[str], timeout: float) -> dict[str, Any]:
     async def probe() -> dict[str, Any] | None:
         fleet.check_operator()
         ro = await fleet.rollout(name)
         return ro if ((ro or {}).get("status") or {}).get("phase") in phases else None
-    return await fleet.wait_for(probe, timeout, f"{name} in {'/'.join(phases)}", interval=0.25)
+    return await fleet.wait_for(probe, timeout, f"{name} in {'/'.join(sorted(phases))}", interval=0.25)
 
 
 def elapsed(since: float) -> str:

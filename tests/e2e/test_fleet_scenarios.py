@@ -32,7 +32,7 @@ import pytest_asyncio
 
 from graft.operator.pods import is_ready
 from graft.rollout.fleet import PATCHED_CONDITION
-from graft.api import BASE, patches_of
+from graft.api import BASE, FINAL_PHASES, patches_of
 from tests.e2e.fleet import DEPLOYMENT, ClientLoad, Fleet, Recorder
 from tests.e2e.fleet_support import (FLEET, PODS, GatedFleet, GateWatch, condition, converged, fleet_refs, gate_open,
                                      kubectl, marks, open_gated_fleet, patch_fleet, rollout_manifest,
@@ -101,7 +101,7 @@ async def test_first_rollout_on_a_gated_fleet_creates_the_patchfleet_and_lets_th
     await fleet.apply(ro)
     waiter = asyncio.create_task(kubectl(fleet, "wait", "--for=condition=Promoted", f"prl/{name}",
                                          f"--timeout={TIMEOUT}s", timeout=TIMEOUT + 30))
-    promoted = await until_phase(fleet, name, ("Promoted", "RolledBack", "Failed"), TIMEOUT)
+    promoted = await until_phase(fleet, name, FINAL_PHASES, TIMEOUT)
     promoted_at = time.monotonic()
     st = promoted["status"]
     assert st["phase"] == "Promoted", st.get("message")
@@ -145,7 +145,7 @@ async def test_a_pod_added_by_kubectl_scale_runs_the_promoted_patch_before_it_is
     labels and annotates it, then opens its gate; no client request reaches it before."""
     ro = rollout_manifest(fleet, f"scale-{RUN}", KV)
     await fleet.apply(ro)
-    st = (await until_phase(fleet, ro["metadata"]["name"], ("Promoted", "RolledBack", "Failed"), TIMEOUT))["status"]
+    st = (await until_phase(fleet, ro["metadata"]["name"], FINAL_PHASES, TIMEOUT))["status"]
     assert st["phase"] == "Promoted", st.get("message")
     assert fleet_refs(await patch_fleet(fleet)) == [KV]
     before = {p["metadata"]["name"] for p in await fleet.pods()}
@@ -196,8 +196,8 @@ async def test_a_second_rollout_on_the_fleet_queues_until_the_first_ends(fleet: 
         await until_phase(fleet, a, ("Progressing",), TIMEOUT)
         await fleet.apply(second)
         await queued_behind(fleet, a, b)
-        first_done = await until_phase(fleet, a, ("Promoted", "RolledBack", "Failed"), TIMEOUT)
-        second_done = await until_phase(fleet, b, ("Promoted", "RolledBack", "Failed"), TIMEOUT)
+        first_done = await until_phase(fleet, a, FINAL_PHASES, TIMEOUT)
+        second_done = await until_phase(fleet, b, FINAL_PHASES, TIMEOUT)
     # neither rollout's canaries were taken from it: every pod's gate stayed open throughout
     assert watch.closed(pods) == [], watch.closed(pods)[:5]
     assert first_done["status"]["phase"] == "Promoted", first_done["status"].get("message")
@@ -318,7 +318,7 @@ async def test_revert_takes_a_promoted_patch_out_of_every_pod_and_the_fleet(flee
     ro = rollout_manifest(fleet, f"revert-{RUN}", KV, action="revert")
     name = ro["metadata"]["name"]
     await fleet.apply(ro)
-    st = (await until_phase(fleet, name, ("Promoted", "RolledBack", "Failed"), TIMEOUT))["status"]
+    st = (await until_phase(fleet, name, FINAL_PHASES, TIMEOUT))["status"]
     assert st["phase"] == "Promoted", st.get("message")
     assert (st["stableRevision"], st["canaryRevision"]) == (BASE, BASE)
     assert "RolledBack" not in [e["reason"] for e in await fleet.events(name)]

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from graft.rollout.fleet import (ApplyPatch, FleetPod, MarkPod, RevertPatch, SetPatched, converge,
                                  desired_revision, with_promoted)
-from graft.api import BASE, has_patch, patches_of, revision_of
+from graft.api import BASE, FINAL_PHASES, has_patch, patches_of, revision_of
 from graft.rollout.spec import PatchSource, PatchSpec
-from graft.rollout.status import FINAL, RolloutStatus
+from graft.rollout.status import RolloutStatus
 from tests.rollout.rollout_fleet import Fleet, healthy, make_spec
 
 KV = PatchSpec("kv-align", "3.2.1", PatchSource(builtin=True))
@@ -83,7 +83,7 @@ class World:
 
     def rollout_tick(self):
         from graft.rollout.machine import analysis_due
-        if self.status.phase in FINAL:
+        if self.status.phase in FINAL_PHASES:
             return
         before = self.status.phase
         m = self.measurements() if analysis_due(self.spec, self.status, self.now) else None
@@ -93,7 +93,7 @@ class World:
             self.promoted_at = self.now
 
     def fleet_tick(self):
-        active = self.status.phase not in FINAL and self.status.phase != "Pending"
+        active = self.status.phase not in FINAL_PHASES and self.status.phase != "Pending"
         pods = [FleetPod(p.name, running=p.ready, ready=p.ready, track=p.track, patches=p.patches,
                          revision=p.revision if p.ready else None) for p in self.fleet.pods.values()]
         plan = converge(self.patches, pods, rollout_patch=self.spec.patch.name if active else None)
@@ -148,7 +148,7 @@ def test_every_pod_ends_with_the_revision_label_and_annotation_of_the_final_phas
         p.ready = True
     for _ in range(400):
         w.tick()
-        if w.status.phase in FINAL and all(
+        if w.status.phase in FINAL_PHASES and all(
                 (p.track, p.patches, p.revision) == ("stable", desired_revision(w.patches), desired_revision(w.patches))
                 for p in w.fleet.pods.values()):
             break

@@ -21,7 +21,8 @@ from graft.devcluster.kubeconfig import write_kubeconfig
 from graft.rollout.history import (HISTORY_PRUNED, TTL_EXPIRED, RolloutRecord, expired, finished, finished_at,
                                    plan, record, targets)
 from graft.rollout.spec import DEFAULT_REVISION_HISTORY_LIMIT, SpecError, parse_fleet_spec, parse_spec
-from graft.rollout.status import FINAL, PHASES, to_time
+from graft.api import FINAL_PHASES
+from graft.rollout.status import PHASES, to_time
 from tests.devcluster.kubectl_cli import run_kubectl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +35,7 @@ PATCH = {"name": "kv-align", "version": "3.2.1", "source": {"builtin": {}}}
 # the decision
 
 def rollout(name, finished_at=None, *, phase="Promoted", ttl=None, keeps_stable=False, created_at=0.0):
-    return RolloutRecord(name, "uid-" + name, phase, phase in FINAL, finished_at, created_at, ttl, keeps_stable)
+    return RolloutRecord(name, "uid-" + name, phase, phase in FINAL_PHASES, finished_at, created_at, ttl, keeps_stable)
 
 
 def test_the_oldest_finished_go_first_and_active_ones_stay():
@@ -80,7 +81,7 @@ def fleets(draw):
     out = []
     for name in names:
         phase = draw(st.sampled_from(PHASES))
-        done = phase in FINAL and draw(st.booleans())       # not: refused as invalid, a final phase waiting for a fix
+        done = phase in FINAL_PHASES and draw(st.booleans())       # not: refused as invalid, a final phase waiting for a fix
         out.append(RolloutRecord(
             name, "uid-" + name, phase, done,
             draw(st.none() | st.integers(0, 50).map(float)) if done else None,  # ties and unknown finish times
@@ -139,7 +140,7 @@ def stored(name, phase="Promoted", *, reason="Promoted", done_at=100.0, fleet="l
     spec = {"selector": SELECTOR, "patch": PATCH, "action": action}
     if ttl is not None:
         spec["ttlSecondsAfterFinished"] = ttl
-    conditions = [{"type": "Completed", "status": "True" if phase in FINAL else "False",
+    conditions = [{"type": "Completed", "status": "True" if phase in FINAL_PHASES else "False",
                    "lastTransitionTime": to_time(done_at)}] if done_at is not None else []
     return {"metadata": {"name": name, "uid": "uid-" + name, "creationTimestamp": to_time(50.0)}, "spec": spec,
             "status": {"phase": phase, "reason": reason, "patch": patch, "fleet": fleet, "conditions": conditions}}

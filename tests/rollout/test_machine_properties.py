@@ -22,7 +22,8 @@ from scipy.stats import binom
 
 from graft.rollout.machine import analysis_due
 from graft.rollout.observation import Measurement, PodError
-from graft.rollout.status import FINAL, RolloutStatus
+from graft.api import FINAL_PHASES
+from graft.rollout.status import RolloutStatus
 
 from rollout_fleet import Fleet, make_spec
 
@@ -211,7 +212,7 @@ def test_no_sequence_of_observations_promotes_past_a_failing_check(drawn, pod_se
             event("a breaker reached its limit")
             assert status.phase in ("RollingBack", "RolledBack", "Failed"), \
                 f"breakers {at_limit} at their limit, the rollout is {status.phase}"
-        if before.phase in FINAL:
+        if before.phase in FINAL_PHASES:
             assert status.phase == before.phase, "a final phase is final"
             continue
         left = before.phase in ("Progressing", "Paused") and (

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from graft.rollout.decision import PatchPod, UnpatchPod
-from graft.api import with_patch, without_patch
-from graft.rollout.status import FINAL, RolloutStatus
+from graft.api import FINAL_PHASES, with_patch, without_patch
+from graft.rollout.status import RolloutStatus
 from tests.rollout.rollout_fleet import Fleet, breaching, healthy, make_spec
 
 
@@ -36,7 +36,7 @@ class OperatorFleet(Fleet):
 def run(spec, fleet, fail=False, limit=300):
     status, now = RolloutStatus(), 0.0
     from graft.rollout.machine import analysis_due
-    while status.phase not in FINAL and now < limit:
+    while status.phase not in FINAL_PHASES and now < limit:
         m = None
         if analysis_due(spec, status, now):
             m = breaching(spec, "error-rate", role="breaker") if fail else healthy(spec)
@@ -78,7 +78,7 @@ def test_a_revert_takes_a_promoted_patch_out_through_the_steps():
     status = RolloutStatus()
     now, seen_mixed = 0.0, False
     from graft.rollout.machine import analysis_due
-    while status.phase not in FINAL and now < 300:
+    while status.phase not in FINAL_PHASES and now < 300:
         status = fleet.tick(status, now, healthy(spec) if analysis_due(spec, status, now) else None)
         revisions = {p.revision for p in fleet.pods.values()}
         seen_mixed |= len(revisions) == 2           # a step with some pods reverted and some not
