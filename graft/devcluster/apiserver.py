@@ -15,7 +15,8 @@ kopf and kubectl talk to it as to a real cluster. What it does the way kube-apis
   ``status.conditions`` by ``type``, its containers by ``name``, ...) and honours its directives;
 - the ``scale`` subresource of Deployments, ReplicaSets and StatefulSets (``kubectl scale``);
 - one global ``resourceVersion``, bumped by every write; a JSON patch whose ``test`` fails, and a
-  stale ``resourceVersion`` in a patch or a PUT, are refused (422 / 409);
+  stale ``resourceVersion`` in a patch or a PUT, are refused (422 / 409), as is a delete whose
+  DeleteOptions ``preconditions`` (``uid``, ``resourceVersion``) the object no longer meets (409);
 - lists carry ``kind``, ``apiVersion`` and ``resourceVersion`` and page with ``limit``/``continue``;
   watches resume from ``?resourceVersion=`` (410 Gone once it is too old), honour
   ``sendInitialEvents`` and ``timeoutSeconds``, and turn label changes into ADDED/DELETED events;
@@ -76,7 +77,7 @@ import yaml
 from kmock._internal import rendering as kmock_rendering  # StreamingError, for __call__
 
 from graft.devcluster import openapi, tables
-from graft.devcluster.apimachinery import (FieldError, Predicate, StrategicError, Target, api_error, conflict,
+from graft.devcluster.apimachinery import (FieldError, Predicate, StrategicError, Target, api_error, conflict, details,
                                            field_selector, invalid, label_selector, merge_patch, not_found,
                                            parse_target, selector_text, sort_key, status, strategic_merge,
                                            strategic_schema, strip_directives, verb, version_priority,
@@ -376,8 +377,11 @@ class ApiServer(kmock.KubernetesEmulator):
         return _scale_of(self._store.update(main, old, new, params))
 
     async def _serve_delete(self, request: kmock.Request) -> dict[str, Any]:
-        target, _ = self._resolve(request)
-        return self._store.delete(target.resource, self._store.existing(target), request.params)
+        target, info = self._resolve(request)
+        old = self._store.existing(target)
+        options = {} if request.data is None else _body(request, dict)   # DeleteOptions; curl may send none
+        _check_preconditions(target, info.kind, old, options.get("preconditions"))
+        return self._store.delete(target.resource, old, request.params)
 
     async def _serve_delete_collection(self, request: kmock.Request) -> dict[str, Any]:
         target, info = self._resolve(request)
@@ -549,6 +553,26 @@ def _scale_of(obj: dict[str, Any]) -> dict[str, Any]:
             "spec": {"replicas": int(spec.get("replicas", 1))},
             "status": {"replicas": int((obj.get("status") or {}).get("replicas", 0)),
                        "selector": selector_text(spec.get("selector") or {})}}
+
+
+def _check_preconditions(target: Target, kind: str, obj: dict[str, Any], preconditions: Any) -> None:
+    """Refuse a delete whose DeleteOptions ``preconditions`` name another ``uid`` or ``resourceVersion``
+    than the object has now (it was recreated, or changed, since the client read it): 409 Conflict,
+    worded as kube-apiserver's ``rest.BeforeDelete`` words it, which names the kind, not the plural."""
+    if preconditions is None:
+        return
+    if not isinstance(preconditions, dict):
+        raise api_error(400, "BadRequest", "preconditions: the DeleteOptions field must be a JSON object")
+    meta = obj["metadata"]
+    for field, label, why in (("uid", "UID", "deleted and then recreated"),
+                              ("resourceVersion", "ResourceVersion", "modified")):
+        wanted = preconditions.get(field)
+        if wanted is not None and wanted != meta.get(field):
+            qualified = f"{kind}.{target.resource.group}" if target.resource.group else kind
+            raise api_error(409, "Conflict", f'Operation cannot be fulfilled on {qualified} "{target.name}": the '
+                            f"{label} in the precondition ({wanted}) does not match the {label} in record "
+                            f"({meta.get(field)}). The object might have been {why}",
+                            details(target) | {"kind": kind})
 
 
 def _body(request: kmock.Request, kind: type) -> Any:

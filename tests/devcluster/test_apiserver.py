@@ -193,6 +193,30 @@ async def test_finalizers_hold_deletion_until_released(http):
     assert (await call(http, "GET", f"{WIDGETS}/w1"))[0] == 404
 
 
+
+async def test_delete_preconditions_refuse_a_recreated_or_changed_object(http):
+    _, first = await call(http, "POST", WIDGETS, widget("w1"))
+    await call(http, "DELETE", f"{WIDGETS}/w1")
+    _, second = await call(http, "POST", WIDGETS, widget("w1"))           # the same name, a new object
+    old_uid, uid, rv = first["metadata"]["uid"], second["metadata"]["uid"], second["metadata"]["resourceVersion"]
+
+    status, refused = await call(http, "DELETE", f"{WIDGETS}/w1", {"preconditions": {"uid": old_uid}})
+    assert status == 409 and refused["reason"] == "Conflict", refused
+    assert refused["message"] == (f'Operation cannot be fulfilled on Widget.{GROUP} "w1": the UID in the precondition '
+                                  f"({old_uid}) does not match the UID in record ({uid}). The object might have "
+                                  "been deleted and then recreated")
+    assert refused["details"] == {"name": "w1", "group": GROUP, "kind": "Widget"}
+    _, changed = await call(http, "PATCH", f"{WIDGETS}/w1", {"spec": {"size": 4}})
+    stale = {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": {"uid": uid, "resourceVersion": rv}}
+    status, refused = await call(http, "DELETE", f"{WIDGETS}/w1", stale)
+    assert status == 409 and "The object might have been modified" in refused["message"], refused
+    assert (await call(http, "GET", f"{WIDGETS}/w1"))[1]["spec"]["size"] == 4        # both refusals kept it
+
+    current = {"preconditions": {"uid": uid, "resourceVersion": changed["metadata"]["resourceVersion"]}}
+    assert (await call(http, "DELETE", f"{WIDGETS}/w1", current))[0] == 200
+    assert (await call(http, "GET", f"{WIDGETS}/w1"))[0] == 404
+
+
 # schema: defaults, validation, status isolation
 
 async def test_custom_resources_get_the_schema_defaults_and_lose_unknown_fields(api, http):
