@@ -10,8 +10,10 @@
 A TTL is checked every tick, a fleet's history every four (each time a list of its namespace's
 rollouts), so a deletion comes at most that late. Each one is made under the rollout's own lock,
 after reading it again: a rollout retried (`graft rollout retry`) or finished anew since the list
-was read is left alone. The finalizer then runs as for any deletion; a finished rollout has nothing
-left to revert.
+was read is left alone. The DELETE then names that read's uid and resourceVersion as preconditions, so
+one written after it (even by someone else, under no lock of ours) is refused by the API server and
+stays, for the next tick to decide on. The finalizer then runs as for any deletion; a finished rollout
+has nothing left to revert.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any
 import kopf
 
 from graft.operator import events
-from graft.operator.kube import fleet_path, rollout_path, rollouts_path
+from graft.operator.kube import KubeError, fleet_path, rollout_path, rollouts_path
 from graft.operator.runtime import Runtime
 from graft.rollout.decision import Event
 from graft.rollout.history import HISTORY_PRUNED, Deletion, finished, plan, record, targets
@@ -86,14 +88,25 @@ async def prune(rt: Runtime, body: kopf.Body) -> None:
 async def delete(rt: Runtime, namespace: str, deletion: Deletion,
                  fleet_patches: Iterable[str] = ()) -> dict[str, Any] | None:
     """Delete the rollout `deletion` names if it is still the one decided on, finished as it was
-    then; answer it as it was, or None when it was left alone."""
+    then; answer it as it was, or None when it was left alone.
+
+    The DELETE names the uid and resourceVersion just read as its preconditions, so a write landing
+    after that read (the rollout retried, edited, or deleted and created again under its name) makes
+    the API server refuse it: the rollout stays, and the next tick decides on it afresh."""
     planned = deletion.rollout
+    path = rollout_path(namespace, planned.name)
     async with rt.locks[planned.uid]:
-        current = await rt.kube.get(rollout_path(namespace, planned.name))
+        current = await rt.kube.get(path)
         if current is None or current["metadata"].get("deletionTimestamp"):
             return None
         fresh = record(current, fleet_patches)
         if (fresh.uid, fresh.finished, fresh.finished_at) != (planned.uid, True, planned.finished_at):
             return None
-        await rt.kube.delete(rollout_path(namespace, planned.name))
-    return current
+        meta = current["metadata"]
+        try:
+            deleted = await rt.kube.delete(path, {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]})
+        except KubeError as e:
+            if e.status == 409:         # a precondition failed: written since it was read
+                return None
+            raise
+    return current if deleted is not None else None

@@ -64,8 +64,11 @@ class Kube:
     async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return (await self._call("POST", path, json=body)).json()
 
-    async def delete(self, path: str) -> dict[str, Any] | None:
-        reply = await self._call("DELETE", path)
+    async def delete(self, path: str, preconditions: dict[str, str] | None = None) -> dict[str, Any] | None:
+        """`preconditions` (`uid`, `resourceVersion`): delete only that very object, as it was read;
+        one recreated or changed since is refused (KubeError 409) and stays."""
+        options = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": preconditions}
+        reply = await self._call("DELETE", path, json=options if preconditions else None)
         return None if reply.status_code == 404 else reply.json()
 
     async def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:

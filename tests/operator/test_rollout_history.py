@@ -140,3 +140,67 @@ async def test_a_rollout_retried_after_the_decision_to_delete_it_is_left_alone(c
     finally:
         runtime.kube = None           # the fixture's client, closed by the fixture
         await runtime.close()
+
+
+class RacingKube:
+    """The cluster's client, with someone else's write landing right after the first read of `path`:
+    between the deletion's last look at a rollout and its DELETE."""
+
+    def __init__(self, kube, path, write):
+        self._kube, self._path, self._write = kube, path, write
+
+    def __getattr__(self, name):
+        return getattr(self._kube, name)
+
+    async def get(self, path, **params):
+        obj = await self._kube.get(path, **params)
+        if path == self._path and self._write is not None:
+            write, self._write = self._write, None
+            await write()
+        return obj
+
+
+async def finished_rollout(cluster, namespace, name):
+    """A rollout RolledBack ten seconds ago (no operator runs here: its status is written directly)."""
+    body = aborted(name)
+    del body["metadata"]["annotations"]
+    await create(cluster, namespace, body)
+    done = {"phase": "RolledBack", "reason": "Aborted", "conditions": [
+        {"type": "Completed", "status": "True", "lastTransitionTime": to_time(time.time() - 10)}]}
+    await cluster.kube.merge_patch(rollout_path(namespace, name) + "/status", {"status": done})
+    return await get_rollout(cluster.kube, namespace, name)
+
+
+@pytest.mark.parametrize("meanwhile", ["changed", "recreated"])
+async def test_a_rollout_written_between_the_last_look_and_the_delete_is_left_alone(cluster, namespace, meanwhile):
+    """The DELETE carries the uid and resourceVersion the deletion last read as preconditions: a
+    rollout changed, or deleted and created again under its name, after that read is refused by the
+    API server (409 Conflict) and stays; the next tick decides on it afresh."""
+    path = rollout_path(namespace, "raced")
+    first = await finished_rollout(cluster, namespace, "raced")
+    (decided,) = plan([record(first)], limit=0, now=time.time())
+
+    async def change():
+        await cluster.kube.merge_patch(path, {"metadata": {"annotations": {"team": "inference"}}})
+
+    async def recreate():
+        await cluster.kube.delete(path)
+        await finished_rollout(cluster, namespace, "raced")
+
+    runtime = Runtime(OperatorSettings(admin_token=TOKEN))
+    runtime.kube = RacingKube(cluster.kube, path, change if meanwhile == "changed" else recreate)
+    try:
+        assert await delete(runtime, namespace, decided) is None
+        kept = await get_rollout(cluster.kube, namespace, "raced")
+        assert kept is not None
+        if meanwhile == "changed":
+            assert kept["metadata"]["annotations"] == {"team": "inference"}
+        else:
+            assert kept["metadata"]["uid"] != first["metadata"]["uid"]
+        runtime.kube = cluster.kube
+        (again,) = plan([record(kept)], limit=0, now=time.time())      # the next tick: still history, deleted
+        assert (await delete(runtime, namespace, again))["metadata"]["uid"] == kept["metadata"]["uid"]
+        assert await get_rollout(cluster.kube, namespace, "raced") is None
+    finally:
+        runtime.kube = None
+        await runtime.close()
