@@ -6,7 +6,9 @@ set `spec.paused`, `promote` sets the annotation `graft.dev/promote` (`step` or 
 sets `graft.dev/abort: "true"`. `status` shows the step, the weight, the pods and every metric
 against its threshold (graft.operator.render, which `graft demo` shows too), with a warning when
 pod-ratio routing cannot honour the first steps (CoarseSteps); `-w` keeps it on screen, updated,
-until the rollout finishes.
+until the rollout finishes, and exits 0 when it promoted, 2 when it rolled back or failed, and 3 when
+the rollout was deleted before it finished. It follows the rollout with a watch, so it sees the final
+phase even of a rollout deleted right after it (`ttlSecondsAfterFinished: 0`).
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from rich.console import Console
 from graft.api import FINAL_PHASES, GROUP, ROLLOUTS as PLURAL, VERSION
 from graft.operator.render import render_status
 
+NOT_PROMOTED = 2       # `status -w`: the rollout finished RolledBack or Failed
+DELETED = 3            # `status -w`: the rollout was deleted before it finished
 
 
 class CliError(Exception):
@@ -95,13 +98,21 @@ def _in_cluster() -> bool:
 
 
 def _get(api, namespace: str, name: str) -> dict[str, Any]:
+    obj = _read(api, namespace, name)
+    if obj is None:
+        raise CliError(f"PatchRollout {namespace}/{name} not found")
+    return obj
+
+
+def _read(api, namespace: str, name: str) -> dict[str, Any] | None:
+    """The rollout, or None when there is none of that name."""
     from kubernetes.client.exceptions import ApiException
 
     try:
         return api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     except ApiException as e:
         if e.status == 404:
-            raise CliError(f"PatchRollout {namespace}/{name} not found") from None
+            return None
         raise CliError(f"cannot read PatchRollout {namespace}/{name}: {e.status} {e.reason}") from None
 
 
@@ -171,29 +182,67 @@ def _retry(api, namespace, args, console) -> int:
 
 
 def _status(api, namespace, args, console) -> int:
-    obj, events, pods = _status_of(api, namespace, args.name)
+    obj = _get(api, namespace, args.name)
     if not args.watch:
-        console.print(render_status(obj, events=events, pods=pods))
+        console.print(render_status(obj, **_context(api, namespace, obj)))
         return 0
     from rich.live import Live
 
-    with Live(render_status(obj, events=events, pods=pods), console=console, auto_refresh=False) as live:
-        while (obj.get("status") or {}).get("phase") not in FINAL_PHASES:
-            time.sleep(args.interval)
-            obj, events, pods = _status_of(api, namespace, args.name)
-            live.update(render_status(obj, events=events, pods=pods), refresh=True)
-    return 0 if obj["status"]["phase"] == "Promoted" else 2
+    deleted = False
+    with Live(render_status(obj, **_context(api, namespace, obj)), console=console, auto_refresh=False) as live:
+        while _phase(obj) not in FINAL_PHASES and not deleted:
+            obj, deleted = _follow(api, namespace, obj, args.interval)
+            live.update(render_status(obj, **_context(api, namespace, obj)), refresh=True)
+    where, phase = f"PatchRollout {namespace}/{args.name}", _phase(obj)
+    if deleted and phase not in FINAL_PHASES:
+        console.print(f"[red]{where} was deleted before it finished (last seen {phase or 'Pending'})[/red]")
+        return DELETED
+    if deleted:
+        ttl = (obj.get("spec") or {}).get("ttlSecondsAfterFinished")
+        console.print(f"{where} was deleted after it finished {phase}"
+                      + (f" (ttlSecondsAfterFinished: {ttl})" if ttl is not None else ""))
+    return 0 if phase == "Promoted" else NOT_PROMOTED
 
 
-def _status_of(api, namespace: str, name: str) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict] | None]:
-    """The rollout, the Events posted on it and the pods its selector matches: what `render_status`
-    shows. Events or pods this user may not read are left out (the rollout itself is required)."""
+def _phase(obj: dict[str, Any]) -> str | None:
+    return (obj.get("status") or {}).get("phase")
+
+
+def _follow(api, namespace: str, obj: dict[str, Any], seconds: float) -> tuple[dict[str, Any], bool]:
+    """Watch the rollout from `obj` on, for about `seconds` (whole seconds, at least one: the API's
+    unit); answer it as last seen, and whether it was deleted. Every change comes in order, so a
+    final phase is seen even when the rollout is deleted right after it (the DELETED event carries
+    the object as it last was)."""
+    import kubernetes
+    from kubernetes.client.exceptions import ApiException
+
+    name = obj["metadata"]["name"]
+    try:
+        for event in kubernetes.watch.Watch().stream(
+                api.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                field_selector=f"metadata.name={name}", resource_version=obj["metadata"]["resourceVersion"],
+                timeout_seconds=max(1, round(seconds))):
+            if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                obj = event["raw_object"]
+            if event["type"] == "DELETED":
+                return obj, True
+    except ApiException as e:
+        if e.status != 410:
+            raise CliError(f"cannot watch PatchRollout {namespace}/{name}: {e.status} {e.reason}") from None
+        fresh = _read(api, namespace, name)        # the watch fell too far behind: read it anew
+        return (obj, True) if fresh is None else (fresh, False)
+    return obj, False
+
+
+def _context(api, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
+    """The Events posted on the rollout and the pods its selector matches, as `render_status` takes
+    them. Events or pods this user may not read are left out."""
     import kubernetes
     from kubernetes.client.exceptions import ApiException
 
     from graft.rollout.spec import SpecError, parse_selector
 
-    obj = _get(api, namespace, name)
+    name = obj["metadata"]["name"]
     core = kubernetes.client.CoreV1Api(api.api_client)
     try:
         events = _items(core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}",
@@ -205,7 +254,7 @@ def _status_of(api, namespace: str, name: str) -> tuple[dict[str, Any], list[dic
         pods = _items(core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))
     except (ApiException, SpecError):
         pods = None
-    return obj, events, pods
+    return {"events": events, "pods": pods}
 
 
 def _items(response) -> list[dict[str, Any]]:

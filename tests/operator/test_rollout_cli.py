@@ -103,6 +103,44 @@ async def test_status_watch_follows_until_the_rollout_finishes(cluster, namespac
     assert "Promoted" in console.export_text()
 
 
+
+def watch_status(namespace, kubeconfig):
+    """`graft rollout status -w` in a thread; answers the task (its exit code) and its console."""
+    console = Console(record=True, width=220, force_terminal=False)
+    argv = ["status", "kv-align", "-w", "--interval", "0.1", "-n", namespace, "--kubeconfig", kubeconfig]
+    return asyncio.create_task(asyncio.to_thread(main_rollout, argv, console)), console
+
+
+@pytest.mark.parametrize("phase,code", [("Promoted", 0), ("RolledBack", 2)])
+async def test_status_watch_of_a_rollout_deleted_as_it_finishes_exits_as_its_final_phase(
+        cluster, namespace, rollout, phase, code):
+    """With `ttlSecondsAfterFinished: 0` the operator deletes a rollout as soon as it finishes: the
+    watch still gets the final phase (it follows every change, not a poll that may miss it), and
+    says the rollout is gone and why."""
+    path = rollout_path(namespace, "kv-align")
+    await cluster.kube.merge_patch(path, {"spec": {"ttlSecondsAfterFinished": 0}})
+    watch, console = watch_status(namespace, rollout)
+    await asyncio.sleep(0.5)
+    assert not watch.done()
+    await cluster.kube.merge_patch(path + "/status", {"status": {"phase": phase, "reason": phase}})
+    await cluster.kube.delete(path)
+    assert await asyncio.wait_for(watch, 10) == code
+    out = console.export_text()
+    assert phase in out and "not found" not in out, out
+    assert f"PatchRollout {namespace}/kv-align was deleted after it finished {phase} " \
+           "(ttlSecondsAfterFinished: 0)" in " ".join(out.split()), out
+
+
+async def test_status_watch_of_a_rollout_deleted_before_it_finished_says_so_and_fails(cluster, namespace, rollout):
+    watch, console = watch_status(namespace, rollout)
+    await asyncio.sleep(0.5)
+    await cluster.kube.delete(rollout_path(namespace, "kv-align"))
+    assert await asyncio.wait_for(watch, 10) == 3
+    out = " ".join(console.export_text().split())
+    assert "step 2/3: weight 50%" in out                                # the last status it saw
+    assert f"PatchRollout {namespace}/kv-align was deleted before it finished (last seen Progressing)" in out, out
+
+
 # the status of a rollout whose first step pod-ratio routing cannot honour: 1% asked, one of two pods
 COARSE = {**STATUS, "message": "step 1/3: weight 1%, 1 of 2 pods canary", "stepIndex": 0, "weight": 1,
           "canaryPods": 1, "trafficShare": 50.0}
