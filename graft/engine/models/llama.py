@@ -175,10 +175,6 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.mlp.fuse()
 
-    @property
-    def is_qkv_fused(self) -> bool:
-        return self.layers[0].self_attn.qkv_weight is not None
-
     @torch.inference_mode()
     def forward(
         self,
