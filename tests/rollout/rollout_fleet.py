@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from graft.rollout.decision import (ClearPromote, Decision, LabelPod, PatchPod, PauseRollout, SetWeight,
                                     UnpatchPod)
 from graft.rollout.machine import decide, known_revision
+from graft.rollout.simulate import MAX_ROUNDS
 from graft.rollout.observation import Controls, Measurement, Observation, PodError, PodObservation, Problem
 from graft.api import has_patch, with_patch, without_patch
 from graft.rollout.spec import RolloutSpec, parse_spec
@@ -139,10 +140,12 @@ class Fleet:
 
     def tick(self, status: RolloutStatus, now: float,
              measurements: list[Measurement] | None = None) -> RolloutStatus:
-        """One operator tick: decide, act, decide again until nothing is left to do."""
+        """One operator tick: decide, act, decide again until nothing is left to do (at most the
+        rounds the operator and `graft rollout simulate` allow). The measurements are the test's own,
+        given to the first decision; engine errors from acting are seen by the next one."""
         errors: dict[str, PodError] = {}
         answered: dict[str, str] = {}
-        for _ in range(4):
+        for _ in range(MAX_ROUNDS):
             d = decide(self.spec, status, self.observe(status, errors, measurements, answered), now)
             status, measurements = d.status, None
             self.events += d.events
