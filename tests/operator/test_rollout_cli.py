@@ -105,9 +105,11 @@ async def test_status_watch_follows_until_the_rollout_finishes(cluster, namespac
 
 
 def watch_status(namespace, kubeconfig):
-    """`graft rollout status -w` in a thread; answers the task (its exit code) and its console."""
+    """`graft rollout status -w` in a thread; answers the task (its exit code) and its console. Its
+    watch windows last 5 s, so a finish and a deletion made together land in one (a deletion ends
+    the window at once)."""
     console = Console(record=True, width=220, force_terminal=False)
-    argv = ["status", "kv-align", "-w", "--interval", "0.1", "-n", namespace, "--kubeconfig", kubeconfig]
+    argv = ["status", "kv-align", "-w", "--interval", "5", "-n", namespace, "--kubeconfig", kubeconfig]
     return asyncio.create_task(asyncio.to_thread(main_rollout, argv, console)), console
 
 
