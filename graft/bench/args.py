@@ -8,21 +8,71 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from collections.abc import Callable, Mapping
 
+from graft.bench.data import WORKLOAD_CLASSES
 from graft.engine.config import add_engine_args
 
 PATCH_SET = "kv-align@3.2.1,prefill-fusion@3.2.1,sync-free@3.2.1"
 ONE_TASK = "logical_deduction_five_objects"   # ~830 prompt tokens with its 3-shot CoT prefix
 MAX_LOAD = 1.5          # 1-minute load average above which a run is refused (see --allow-load)
 BASELINES = ("transformers", "llama-server", "engine", "none")
+# workload suite: short GSM8K prompts get more streams than long BBH and HumanEval ones; together 16
+# in flight, the concurrency the other suites measure at
+CLASS_CONCURRENCY = {"bbh": 4, "gsm8k": 8, "humaneval": 4}
+CLASS_PROMPTS = {name: 16 for name in WORKLOAD_CLASSES}
+SWEEP = (1, 2, 4, 8, 16, 32, 64)
+
+
+def class_values(defaults: Mapping[str, int]) -> Callable[[str], dict[str, int]]:
+    """An argparse type: `N` for every workload class, or `bbh=4,gsm8k=8` (others keep `defaults`)."""
+    def parse(text: str) -> dict[str, int]:
+        if "=" not in text:
+            return {name: _positive(text) for name in WORKLOAD_CLASSES}
+        values = dict(defaults)
+        for part in filter(None, (x.strip() for x in text.split(","))):
+            name, _, value = part.partition("=")
+            if name.strip() not in WORKLOAD_CLASSES:
+                raise argparse.ArgumentTypeError(
+                    f"unknown workload class {name.strip()!r}: one of {', '.join(WORKLOAD_CLASSES)}")
+            values[name.strip()] = _positive(value)
+        return values
+    return parse
+
+
+def concurrency_list(text: str) -> list[int]:
+    """An argparse type: `1,2,4,8` -> [1, 2, 4, 8] (sorted, each once, every one at least 1)."""
+    values = sorted({_positive(x) for x in text.split(",") if x.strip()})
+    if not values:
+        raise argparse.ArgumentTypeError("the sweep names no concurrency")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text.strip()!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _spec(values: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in values.items())
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("suite", nargs="?", default="all", choices=["all", "throughput", "patches", "apply", "kernels"],
+    p.add_argument("suite", nargs="?", default="all",
+                   choices=["all", "throughput", "patches", "apply", "kernels", "workload"],
                    help="throughput: the engine against a baseline on BBH CoT prompts; patches: the 3.2.1 set vs "
                         "the plain 3.2.0 paths; apply: hot-patch apply latency under load; kernels: the Triton "
-                        "kernels against their torch twins (a GPU; on a CPU a small smoke run in the interpreter)")
-    p.add_argument("--data-dir", default=None, help="folder holding bbh/ (default: $GRAFT_DATA_DIR)")
+                        "kernels against their torch twins (a GPU; on a CPU a small smoke run in the interpreter); "
+                        "workload: BBH, GSM8K and HumanEval alone vs mixed, and a concurrency sweep (not in all: "
+                        "it runs for many minutes)")
+    p.add_argument("--data-dir", default=None,
+                   help="folder holding bbh/ (and gsm8k/, humaneval/ for the workload suite; default: "
+                        "$GRAFT_DATA_DIR)")
     p.add_argument("-n", "--num-prompts", type=int, default=16, help="BBH prompts per pass")
     p.add_argument("-c", "--concurrency", type=int, default=16,
                    help="requests in flight (and the transformers batch size, llama-server's slots)")
@@ -56,4 +106,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--light-concurrency", type=int, default=2, help="apply suite: requests in flight meanwhile")
     p.add_argument("--quick", action="store_true", help="kernels: a few shapes only")
     p.add_argument("--budget-s", type=float, default=100.0, help="kernels: skip the cases left after this long")
+    p.add_argument("--class-prompts", type=class_values(CLASS_PROMPTS), default=dict(CLASS_PROMPTS),
+                   metavar="N|CLASS=N,...",
+                   help=f"workload: requests each class completes per pass, alone and mixed (default "
+                        f"{_spec(CLASS_PROMPTS)}); BBH takes them round-robin over that many tasks")
+    p.add_argument("--class-concurrency", type=class_values(CLASS_CONCURRENCY), default=dict(CLASS_CONCURRENCY),
+                   metavar="N|CLASS=N,...",
+                   help=f"workload: each class's requests in flight, alone and in the mixed pass (default "
+                        f"{_spec(CLASS_CONCURRENCY)})")
+    p.add_argument("--sweep", type=concurrency_list, default=list(SWEEP), metavar="C1,C2,...",
+                   help=f"workload: the concurrencies of the sweep (default {','.join(map(str, SWEEP))})")
+    p.add_argument("--sweep-waves", type=int, default=2,
+                   help="workload: requests per sweep point, in multiples of its concurrency")
     add_engine_args(p)

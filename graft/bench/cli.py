@@ -1,4 +1,4 @@
-"""`graft bench [all|throughput|patches|apply|kernels]`: run the suites, print tables, write JSON and PNGs."""
+"""`graft bench [all|throughput|patches|apply|kernels|workload]`: run the suites, print tables, write JSON and PNGs."""
 from __future__ import annotations
 
 import argparse
@@ -8,18 +8,18 @@ from pathlib import Path
 
 from graft.bench import report
 from graft.bench.args import MAX_LOAD
-from graft.bench.data import resolve_data_dir
+from graft.bench.data import require_workload_data, resolve_data_dir
 from graft.bench.llama_server import BaselineUnavailable
 from graft.bench.method import MachineBusy, check_load
 from graft.engine.config import config_from_args, engine_argv
 from graft.engine.patches.base import parse_patch_list
 
-SUITES = ("throughput", "patches", "apply")    # what `all` runs; `kernels` is asked for by name
+SUITES = ("throughput", "patches", "apply")    # what `all` runs; `kernels` and `workload` (many minutes) by name
 EXIT_BAD_INPUT, EXIT_BUSY = 2, 3
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("num_prompts", "concurrency", "max_tokens", "cycles", "rounds", "light_concurrency"):
+    for name in ("num_prompts", "concurrency", "max_tokens", "cycles", "rounds", "light_concurrency", "sweep_waves"):
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -32,13 +32,14 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--baseline-engine-args and --baseline-patches are for --baseline engine")
 
 
-def engine_flags(args: argparse.Namespace) -> list[str]:
+def engine_flags(args: argparse.Namespace, concurrency: int | None = None) -> list[str]:
     """The engine's `graft serve` flags: the ones given (none: the out-of-the-box engine), with room
-    for every request in flight."""
+    for every request in flight (`concurrency`, default -c)."""
     flags = engine_argv(args)
-    if args.concurrency > args.max_num_seqs:
-        flags += ["--max-num-seqs", str(args.concurrency),
-                  "--max-num-batched-tokens", str(max(args.concurrency, args.max_num_batched_tokens))]
+    concurrency = args.concurrency if concurrency is None else concurrency
+    if concurrency > args.max_num_seqs:
+        flags += ["--max-num-seqs", str(concurrency),
+                  "--max-num-batched-tokens", str(max(concurrency, args.max_num_batched_tokens))]
     return flags
 
 
@@ -49,6 +50,8 @@ def main(args: argparse.Namespace) -> int:
         _check(args)
         config = config_from_args(args)     # also resolves --dtype auto, for the baseline to match
         data_dir = None if args.suite == "kernels" else str(resolve_data_dir(args.data_dir))
+        if args.suite == "workload":
+            require_workload_data(data_dir)
     except (ValueError, FileNotFoundError) as exc:
         report.console.print(f"[red]graft bench: {exc}[/]")
         return EXIT_BAD_INPUT
@@ -82,6 +85,13 @@ def _run(suite: str, args: argparse.Namespace, dtype: str, data_dir: str | None,
     if suite == "kernels":
         from graft.bench.kernels import run_kernels
         return run_kernels(out / "kernels.json", quick=args.quick, budget_s=args.budget_s)
+    if suite == "workload":
+        from graft.bench.workload import WorkloadConfig, run_workload_suite
+        result = run_workload_suite(WorkloadConfig(
+            class_prompts=args.class_prompts, class_concurrency=args.class_concurrency, sweep=args.sweep,
+            sweep_waves=args.sweep_waves, max_tokens=args.max_tokens, rounds=args.rounds, data_dir=data_dir,
+            engine_args=engine_flags(args, max(sum(args.class_concurrency.values()), *args.sweep)), dtype=dtype), out)
+        return result["errors"]
     if suite == "throughput":
         from graft.bench.throughput import ThroughputConfig, run_throughput
         workloads = ["mixed", "one-task"] if args.workload == "both" else [args.workload]
