@@ -6,8 +6,8 @@ then the 3-shot prefix) and `bbh/bbh/<task>.json` (examples with `input` and `ta
 The workload suite adds two classes beside BBH's long few-shot prompts:
 
 - GSM8K, `gsm8k/test.jsonl` (`question`, `answer` ending in `#### <number>`): zero-shot,
-  `Question: <question>\nAnswer:`, so its prompts stay short (about 60-150 tokens) and share no
-  prefix, the opposite of BBH's; a few-shot prefix would make it a second BBH.
+  `Question: <question>\\nAnswer:`, so its prompts stay short (31-133 tokens, 66 on average) and
+  share no prefix, the opposite of BBH's; a few-shot prefix would make it a second BBH.
 - HumanEval, `humaneval/HumanEval.jsonl.gz` (`task_id`, `prompt`, `canonical_solution`, ...): the
   code prompt as is (a signature and docstring to complete).
 """
@@ -108,7 +108,7 @@ def _first(n: int, rows: list[Prompt], what: str) -> list[Prompt]:
 
 
 def gsm8k_prompts(n: int, data: str | os.PathLike | None = None) -> list[Prompt]:
-    """The first n GSM8K test questions as `Question: ...\nAnswer:`; the target is the final number."""
+    """The first n GSM8K test questions as `Question: ...\\nAnswer:`; the target is the final number."""
     path = dataset_file(resolve_data_dir(data), *GSM8K_FILE)
     rows = []
     with path.open(encoding="utf-8") as f:

@@ -1,8 +1,8 @@
 """Suite `workload`: BBH, GSM8K and HumanEval alone and mixed, then a concurrency sweep.
 
 Isolation. Three classes of requests share the engine: `bbh` (3-shot CoT, about 1,000-token
-prompts that share a prefix per task), `gsm8k` (zero-shot questions, about 100 tokens) and
-`humaneval` (code prompts, about 150 tokens). Each class first runs alone at its own concurrency
+prompts that share a prefix per task), `gsm8k` (zero-shot questions, about 70 tokens) and
+`humaneval` (code prompts, about 110 tokens). Each class first runs alone at its own concurrency
 (`--class-concurrency`), then all classes run at once, each at that same concurrency: the mixed
 pass is the alone passes side by side. A class's figures mixed divided by alone (output tok/s over
 its own span, TTFT and TPOT p50/p99) say what sharing the engine costs it. Every stream of a pass
