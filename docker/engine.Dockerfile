@@ -24,7 +24,8 @@ RUN /opt/graft/bin/pip install ".[engine]" \
 FROM ${CUDA_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
 # Triton builds its small kernel launcher with the C compiler and Python headers the first time
-# a kernel runs, so both stay in the runtime image.
+# a kernel runs, so both stay in the runtime image (the compiler also builds the CPU decode
+# attention, graft/kernels/csrc, when the engine runs without a GPU).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \

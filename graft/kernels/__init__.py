@@ -4,7 +4,9 @@
   "attention.decode"), Triton on CUDA, torch twins elsewhere; `paged_prefill_impl(device)` the
   same choice for the batched paged prefill.
 - the kernels: `store_kv`, `paged_decode_attention`, `prefill_attention`, `paged_prefill_attention`;
-- their twins: `graft.kernels.reference`.
+- their twins: `graft.kernels.reference`;
+- `cpu_decode`: the paged decode attention for a CPU, in C (compiled on first use, loaded with
+  ctypes), whose twin is `graft.engine.attention.decode_attention_varlen`.
 
 Importing the package does not import Triton (it must see TRITON_INTERPRET first, when that is
 used): the kernel names load on first access.

@@ -32,7 +32,8 @@ def patches() -> list[Patch]:
               description="one fused QKV projection and a fused (SDPA) prefill attention",
               migrate=_fuse, unmigrate=_unfuse, tolerance=2e-3),
         Patch("sync-free", VERSION,
-              {"attention.decode": attention.decode_attention_batched, "sampler": sample_batched},
-              description="no host-device synchronisation inside the step: batched decode attention "
-                          "and a batched sampler with one transfer per step"),
+              {"attention.decode": attention.decode_attention_fast, "sampler": sample_batched},
+              description="no host-device synchronisation inside the step: one decode attention call "
+                          "for the whole batch (the native kernel on a CPU, batched SDPA elsewhere) and a "
+                          "batched sampler with one transfer per step"),
     ]
