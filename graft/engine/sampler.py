@@ -33,6 +33,12 @@ def _filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+def _filters(p: SamplingParams, vocab: int) -> bool:
+    """Whether top-k or top-p removes anything: without either, filtering (a sort of the whole
+    vocabulary, the dearest part of sampling) is skipped."""
+    return 0 < p.top_k < vocab or p.top_p < 1
+
+
 def _exponential(shape: torch.Size, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
     # a zero draw would turn a masked token's 0 / 0 into a NaN that argmax picks
     return torch.empty(shape, device=device).exponential_(generator=generator).clamp_min_(_TINY)
@@ -55,9 +61,11 @@ def sample_per_row(logits: torch.Tensor, params: list[SamplingParams],
             out.append(int(row.argmax().item()))
             continue
         dev = row.device
-        row = _filter_logits(_scaled(row.unsqueeze(0), torch.tensor([p.temperature], device=dev)),
-                             torch.tensor([_top_k(p, row.shape[-1])], device=dev),
-                             torch.tensor([p.top_p], device=dev))[0]
+        row = _scaled(row.unsqueeze(0), torch.tensor([p.temperature], device=dev))
+        if _filters(p, row.shape[-1]):
+            row = _filter_logits(row, torch.tensor([_top_k(p, row.shape[-1])], device=dev),
+                                 torch.tensor([p.top_p], device=dev))
+        row = row[0]
         probs = row.softmax(dim=-1)
         out.append(int((probs / _exponential(probs.shape, row.device, gen)).argmax().item()))
     return out
@@ -72,9 +80,12 @@ def sample_batched(logits: torch.Tensor, params: list[SamplingParams],
     dev = logits.device
     idx = torch.tensor(sampled_rows, device=dev)
     temps = torch.tensor([params[i].temperature for i in sampled_rows], device=dev)
-    top_k = torch.tensor([_top_k(params[i], logits.shape[-1]) for i in sampled_rows], device=dev)
-    top_p = torch.tensor([params[i].top_p for i in sampled_rows], device=dev)
-    rows = _filter_logits(_scaled(logits[idx], temps.unsqueeze(1)), top_k, top_p)
+    rows = _scaled(logits[idx], temps.unsqueeze(1))
+    vocab = logits.shape[-1]
+    if any(_filters(params[i], vocab) for i in sampled_rows):
+        top_k = torch.tensor([_top_k(params[i], vocab) for i in sampled_rows], device=dev)
+        top_p = torch.tensor([params[i].top_p for i in sampled_rows], device=dev)
+        rows = _filter_logits(rows, top_k, top_p)
     probs = rows.softmax(dim=-1)
     # exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each seeded row gets its own noise
     noise = torch.stack([_exponential(probs.shape[1:], dev, generators[i]) for i in sampled_rows])

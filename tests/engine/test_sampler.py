@@ -102,3 +102,22 @@ def test_the_extreme_seeds_are_accepted_by_torch():
     for seed in (-(2**63), 2**63 - 1, 0):
         SamplingParams(seed=seed)
         torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_without_top_k_or_top_p_nothing_is_sorted_and_the_draw_is_the_same(sampler, monkeypatch):
+    """Plain temperature sampling (OpenAI's default) skips the vocabulary sort, and draws what the
+    filter would have let through: the same seeds give the same tokens as a top_p that keeps all
+    four tokens of UNSURE (its last prefix mass is 0.9), which does go through the filter."""
+    import graft.engine.sampler as S
+    calls = []
+    real = S._filter_logits
+    monkeypatch.setattr(S, "_filter_logits", lambda *a: calls.append(1) or real(*a))
+
+    def draws(params: SamplingParams) -> list[int]:
+        gens = [torch.Generator().manual_seed(3 + i) for i in range(2)]
+        return [tok for _ in range(30) for tok in sampler(UNSURE.repeat(2, 1), [params, params], gens)]
+    plain = draws(SamplingParams(temperature=0.8))
+    assert calls == []
+    keeps_all = draws(SamplingParams(temperature=0.8, top_p=0.999))
+    assert calls and plain == keeps_all and set(plain) == {0, 1, 2, 3}
