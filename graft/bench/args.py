@@ -75,14 +75,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "$GRAFT_DATA_DIR)")
     p.add_argument("-n", "--num-prompts", type=int, default=16, help="BBH prompts per pass")
     p.add_argument("-c", "--concurrency", type=int, default=16,
-                   help="requests in flight (and the transformers batch size, llama-server's slots)")
+                   help="requests in flight (and the transformers batch size)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (EOS ignored)")
     p.add_argument("--rounds", type=int, default=1,
                    help="passes of each side, alternating A/B/A/B (a fresh engine per pass); the report gives "
                         "the median ratio and its spread")
     p.add_argument("--baseline", default="transformers", choices=BASELINES,
                    help="throughput: what the engine is compared with: transformers generate (same model file "
-                        "and dtype), llama-server on PATH (same GGUF), another engine started with "
+                        "and dtype), llama-server (same GGUF; `make llama-server` builds it), another engine started with "
                         "--baseline-engine-args, or none")
     p.add_argument("--baseline-engine-args", default="", type=shlex.split, metavar="FLAGS",
                    help="with --baseline engine: its `graft serve` flags on top of this run's, e.g. "
@@ -92,6 +92,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "for the padded batched decode; the measured engine gets none")
     p.add_argument("--no-baseline", dest="baseline", action="store_const", const="none",
                    help="same as --baseline none")
+    p.add_argument("--llama-slots", type=concurrency_list, default=[4, 16], metavar="N,N",
+                   help="with --baseline llama-server: its parallel slot counts (-np) to sweep before the rounds; "
+                        "the fastest setting is the one measured")
+    p.add_argument("--llama-ubatch", type=concurrency_list, default=[512], metavar="N,N",
+                   help="with --baseline llama-server: its micro-batch sizes (-ub) to sweep with the slot counts")
     p.add_argument("--allow-load", action="store_true",
                    help=f"run even when the 1-minute load average is above {MAX_LOAD} (figures then say little)")
     p.add_argument("--out", default=".graft-bench",

@@ -100,7 +100,7 @@ def _run(suite: str, args: argparse.Namespace, dtype: str, data_dir: str | None,
             workloads=workloads, task=args.task, data_dir=data_dir, rounds=args.rounds, baseline=args.baseline,
             engine_args=engine_flags(args), baseline_engine_args=args.baseline_engine_args,
             baseline_patches=args.baseline_patches, model=args.model,
-            dtype=dtype), out)
+            dtype=dtype, llama_slots=args.llama_slots, llama_ubatch=args.llama_ubatch), out)
         return sum(p["errors"] for w in result["workloads"].values() for p in w["passes"])
     from graft.bench.patches import PatchesConfig, run_apply, run_patches
     cfg = PatchesConfig(num_prompts=args.num_prompts, concurrency=args.concurrency, max_tokens=args.max_tokens,

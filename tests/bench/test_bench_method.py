@@ -12,7 +12,8 @@ from graft.bench.args import add_bench_args
 from graft.bench.cli import EXIT_BAD_INPUT, EXIT_BUSY, engine_flags
 from graft.bench.cli import main as bench_main
 from graft.bench.data import Prompt
-from graft.bench.llama_server import BaselineUnavailable, llama_server_argv
+from graft.bench import llama_server
+from graft.bench.llama_server import BaselineUnavailable, LlamaSetting, llama_server_argv
 from graft.bench.method import MachineBusy, alternation, check_load, ratio_spread
 from graft.engine.config import EngineConfig, add_engine_args, auto_dtype, engine_argv
 from tests.support import data_dir
@@ -116,12 +117,48 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it():
 
 def test_llama_server_baseline_is_refused_when_it_is_not_on_path(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    monkeypatch.setattr(llama_server, "BUILT", tmp_path / "not-built" / "llama-server")
     monkeypatch.setattr(method, "load_average", lambda: 0.1)
-    with pytest.raises(BaselineUnavailable, match="llama-server.*PATH"):
+    with pytest.raises(BaselineUnavailable, match="llama-server.*PATH.*make llama-server"):
         throughput.Sides(throughput.ThroughputConfig(baseline="llama-server"))
     code = bench_main(bench_args("throughput", "--baseline", "llama-server", "--data-dir", str(data_dir()),
                                  "--out", str(tmp_path / "out")))
     assert code == EXIT_BAD_INPUT and "llama-server" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-    argv = llama_server_argv("/bin/llama-server", "m.gguf", 8080, 16, 2)
+    argv = llama_server_argv("/bin/llama-server", "m.gguf", 8080, LlamaSetting(16, 256), 2)
     assert argv[argv.index("-np") + 1] == "16" and argv[argv.index("-c") + 1] == str(16 * 4096)
+    assert argv[argv.index("-ub") + 1] == "256" and argv[argv.index("-t") + 1] == "2"
+
+
+def test_llama_server_is_found_where_make_builds_it_or_where_llama_server_points(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    built = tmp_path / "build" / "bin" / "llama-server"
+    built.parent.mkdir(parents=True)
+    built.write_text("#!/bin/sh\n")
+    monkeypatch.setattr(llama_server, "BUILT", built)
+    with pytest.raises(BaselineUnavailable):
+        llama_server.llama_server_binary()          # there, but not executable
+    built.chmod(0o755)
+    assert llama_server.llama_server_binary() == str(built)
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "elsewhere"))
+    with pytest.raises(BaselineUnavailable, match="LLAMA_SERVER=.*not an executable"):
+        llama_server.llama_server_binary()
+
+
+def test_the_llama_server_sweep_measures_with_its_fastest_setting(monkeypatch):
+    speeds = {(4, 512): 11.0, (16, 512): 9.0, (4, 2048): 12.5, (16, 2048): 8.0}
+    ran = []
+
+    def fake_pass(r, prompts, cfg, label, setting):
+        ran.append((r, setting))
+        return throughput.Pass("baseline", r, speeds[setting.slots, setting.ubatch], 0, 0.1, 0.1)
+    monkeypatch.setattr(throughput, "llama_server_pass", fake_pass)
+    cfg = throughput.ThroughputConfig(baseline="llama-server", llama_slots=[4, 16], llama_ubatch=[512, 2048])
+    sweep = throughput.llama_server_sweep(["p"], cfg, "mixed")
+    assert sweep["chosen"] == LlamaSetting(4, 2048)
+    assert [p["output_tok_s"] for p in sweep["passes"]] == [11.0, 12.5, 9.0, 8.0] and len(ran) == 4
+    ran.clear()
+    one = throughput.llama_server_sweep(["p"], throughput.ThroughputConfig(llama_slots=[8]), "mixed")
+    assert one == {"chosen": LlamaSetting(8, 512), "passes": []} and ran == []   # nothing to choose
