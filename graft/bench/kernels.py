@@ -7,9 +7,13 @@ Shapes: 9 query heads, 3 KV heads, head dim 64, 64-token cache blocks; batches 1
 in fp32; the error is relative, |a - b| / (1 + |b|)), then times both with CUDA events over as many
 repetitions as fit a short per-case budget (kernels get context lengths as device tensors, as
 under CUDA graphs; the twins get lists). Prints one table per kernel and writes every number to
-kernels.json. The figures mean something on a CUDA GPU only. Without one the suite is a smoke run:
-the kernels run in Triton's interpreter (TRITON_INTERPRET=1, about 1 ms per program instance) on
-a few tiny fp16 shapes, checked against their twins, and the wall-clock timings are not figures.
+kernels.json. The Triton figures mean something on a CUDA GPU only. Without one the Triton part is
+a smoke run: the kernels run in Triton's interpreter (TRITON_INTERPRET=1, about 1 ms per program
+instance) on a few tiny fp16 shapes, checked against their twins, and those timings are not
+figures. On a CPU the suite also measures, for real, the C decode attention the engine runs there
+(`decode.cpu`, graft/kernels/cpu_decode.py) against its torch twin `decode_attention_varlen`,
+bf16 and fp32, on the host clock; its cache is warm (the same tensors call after call), so the
+ratio is smaller than inside a decode step, where every layer's weights evict it between calls.
 """
 from __future__ import annotations
 
@@ -27,14 +31,14 @@ import torch
 
 N_HEADS, N_KV, HEAD_DIM, BLOCK = 9, 3, 64, 64
 SCALE = HEAD_DIM**-0.5
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-TOLERANCE = {"fp16": 5e-3, "bf16": 3e-2}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+TOLERANCE = {"fp16": 5e-3, "bf16": 3e-2, "fp32": 1e-5}
 Timer = Callable[[Callable[[], object], float], float]
 
 
 @dataclass(slots=True)
 class Case:
-    kernel: str           # "decode", "prefill.paged", "prefill.slot", "kv.store"
+    kernel: str           # "decode", "prefill.paged", "prefill.slot", "kv.store", "decode.cpu"
     dtype: str
     batch: int            # sequences; for kv.store, tokens stored
     context: int          # cached tokens per sequence before this step
@@ -48,7 +52,7 @@ class Result:
     batch: int
     context: int
     new_tokens: int
-    triton_ms: float | None = None
+    kernel_ms: float | None = None
     torch_ms: float | None = None
     speedup: float | None = None
     throughput: float | None = None
@@ -63,9 +67,9 @@ class Result:
 class Prepared:
     """One case ready to run: both implementations, how to read their answers, the work done."""
 
-    run_triton: Callable[[], object]
+    run_kernel: Callable[[], object]
     run_torch: Callable[[], object]
-    answers: Callable[[], tuple[torch.Tensor, torch.Tensor]]    # (triton's, the twin's)
+    answers: Callable[[], tuple[torch.Tensor, torch.Tensor]]    # (the kernel's, the twin's)
     work: float                                                 # bytes or flops per call
     unit: str                                                   # "GB/s" or "TFLOP/s"
 
@@ -80,7 +84,7 @@ def cases(quick: bool) -> list[Case]:
     slot_prefills = [(3584, 512)] if quick else [(0, 512), (0, 2048), (3584, 512)]
     stores = [1, 4096] if quick else [1, 64, 512, 4096]
     out: list[Case] = []
-    for dtype in DTYPES:
+    for dtype in ("fp16", "bf16"):
         out += [Case("decode", dtype, b, c - 1, 1) for b in batches for c in contexts]
         out += [Case("prefill.paged", dtype, b, prior, new) for b, prior, new in prefills]
         out += [Case("prefill.slot", dtype, 1, prior, new) for prior, new in slot_prefills]
@@ -116,6 +120,17 @@ def prepare(case: Case, device: torch.device) -> Prepared:
         lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
         got = lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens_t, SCALE)
         want = lambda: reference.decode_attention(q, k_cache, v_cache, tables, lens, SCALE)
+        return Prepared(got, want, lambda: (got(), want()), 2 * b * total * N_KV * HEAD_DIM * size, "GB/s")
+    if case.kernel == "decode.cpu":
+        from graft.engine.attention import decode_attention_varlen
+        from graft.kernels.cpu_decode import NativeKernelError, paged_decode_attention_cpu, supports
+        k_cache, v_cache, tables = paged_cache(b, total, dtype, device)
+        q = torch.randn(b, N_HEADS, HEAD_DIM, dtype=dtype, device=device)
+        if not supports(q, k_cache):
+            raise NativeKernelError("the native decode kernel is not available here (see the log)")
+        lens = [total] * b
+        got = lambda: paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, SCALE)
+        want = lambda: decode_attention_varlen(q, k_cache, v_cache, tables, lens, SCALE, None)
         return Prepared(got, want, lambda: (got(), want()), 2 * b * total * N_KV * HEAD_DIM * size, "GB/s")
     if case.kernel == "prefill.paged":
         k_cache, v_cache, tables = paged_cache(b, total, dtype, device)
@@ -180,11 +195,11 @@ def run_case(case: Case, device: torch.device, timer: Timer, budget_ms: float) -
         got, want = prepared.answers()
         result.max_err = float(((got.float() - want.float()).abs() / (1 + want.float().abs())).max())
         result.ok = result.max_err <= result.tolerance
-        result.triton_ms = timer(prepared.run_triton, budget_ms)
+        result.kernel_ms = timer(prepared.run_kernel, budget_ms)
         result.torch_ms = timer(prepared.run_torch, budget_ms)
-        result.speedup = result.torch_ms / result.triton_ms
+        result.speedup = result.torch_ms / result.kernel_ms
         scale = 1e9 if prepared.unit == "GB/s" else 1e12
-        result.throughput = prepared.work / (result.triton_ms * 1e-3) / scale
+        result.throughput = prepared.work / (result.kernel_ms * 1e-3) / scale
         result.unit = prepared.unit
     except Exception as exc:  # one broken case must not hide the others
         result.ok = False
@@ -213,14 +228,16 @@ def render(results: list[Result]) -> None:
     for kernel in dict.fromkeys(r.kernel for r in results):
         rows = [r for r in results if r.kernel == kernel]
         unit = next((r.unit for r in rows if r.unit), "")
-        table = Table(title=f"{kernel}: Triton vs torch twin ({N_HEADS} heads / {N_KV} KV heads / dim {HEAD_DIM})",
+        what = "C" if kernel.endswith(".cpu") else "Triton"
+        table = Table(title=f"{kernel}: {what} vs torch twin ({N_HEADS} heads / {N_KV} KV heads / dim {HEAD_DIM})",
                       box=box.SIMPLE_HEAD)
-        for column in ("dtype", "batch", "context", "new", "triton ms", "torch ms", "speedup", unit, "max err", ""):
+        for column in ("dtype", "batch", "context", "new", f"{what.lower()} ms", "torch ms", "speedup", unit,
+                       "max err", ""):
             table.add_column(column, justify="right")
         for r in rows:
             table.add_row(
                 r.dtype, str(r.batch), str(r.context), str(r.new_tokens),
-                _fmt(r.triton_ms, ".4f"), _fmt(r.torch_ms, ".4f"), _fmt(r.speedup, ".1f", "x"),
+                _fmt(r.kernel_ms, ".4f"), _fmt(r.torch_ms, ".4f"), _fmt(r.speedup, ".1f", "x"),
                 _fmt(r.throughput, ".1f"), _fmt(r.max_err, ".1e"),
                 "[green]ok[/]" if r.ok else "[red]FAIL[/]",
             )
@@ -253,11 +270,32 @@ def tiny_cases() -> list[Case]:
             Case("prefill.slot", "fp16", 1, 32, 16), Case("kv.store", "fp16", 8, 0, 1)]
 
 
+def cpu_cases(quick: bool) -> list[Case]:
+    """The C decode attention on SmolLM2 shapes: the batches and contexts of a CPU decode step."""
+    batches = [1, 16] if quick else [1, 4, 16, 32]
+    contexts = [512, 2048] if quick else [256, 1024, 2048, 4096]
+    return [Case("decode.cpu", dtype, b, c - 1, 1) for dtype in ("bf16", "fp32") for b in batches for c in contexts]
+
+
 def wall_time_ms(fn: Callable[[], object], budget_ms: float) -> float:
     """Mean milliseconds per call on the host clock (interpreter runs: not a figure of merit)."""
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1000
+
+
+def host_time_ms(fn: Callable[[], object], budget_ms: float) -> float:
+    """Mean milliseconds per call on the host clock, over as many calls (3..200) as fit `budget_ms`,
+    after one call to warm up: the timer of the CPU kernel."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = (time.perf_counter() - t0) * 1000
+    reps = int(min(200, max(3, budget_ms / max(once, 1e-3))))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) * 1000 / reps
 
 
 def run_kernels(out: Path, quick: bool = False, budget_s: float = 100.0, case_ms: float = 100.0) -> int:
@@ -279,6 +317,9 @@ def run_kernels(out: Path, quick: bool = False, budget_s: float = 100.0, case_ms
     started = time.monotonic()
     with torch.inference_mode():
         results = run_all(todo, device, timer, case_ms, budget_s)
+        if device.type == "cpu":      # the kernel a CPU engine really runs, timed for real
+            results += run_all(cpu_cases(quick), device, host_time_ms, case_ms,
+                               max(0.0, budget_s - (time.monotonic() - started)))
     elapsed = time.monotonic() - started
     render(results)
     report = {"mode": mode, "environment": environment(device), "elapsed_s": round(elapsed, 2),

@@ -8,14 +8,16 @@
  * One work item is one sequence: each token's keys (then values) for all KV heads are one
  * contiguous row of the cache, read once and converted to float32 once, in order through each
  * block, which is what a decode step is bound by (the cache is cold: every layer's weights have
- * streamed through since). Sequences run in parallel on the OpenMP threads of the process (the
- * runtime torch has loaded, with torch's thread count).
+ * streamed through since). With fewer sequences than twice the threads, an item is one KV head
+ * of a sequence instead. Items run in parallel on the OpenMP threads of the process (the runtime
+ * torch has loaded, with torch's thread count).
  *
  * Entry points return 0; -1 when a block table names a block outside the cache or a length is out
  * of range (that item is skipped: nothing is read out of bounds); -2 when memory ran out.
  */
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,27 +72,28 @@ static void store_f32(const float *restrict src, void *dst, int64_t offset, int 
     memcpy((float *)dst + offset, src, sizeof(float) * d);
 }
 
-/* One sequence, all heads: scores[qh][t] = q_qh . k_t over its n cached tokens, softmax, then the
- * weighted sum of the values. A token's keys (or values) for all KV heads are one contiguous row
- * of the cache, read once, in order through each block. Returns 0 or -1 (a bad block number). */
+/* One sequence, KV heads [h0, h1) and their query heads: scores[qh][t] = q_qh . k_t over its n
+ * cached tokens, softmax, then the weighted sum of the values. A token's keys (or values) for
+ * those KV heads are one contiguous stretch of a cache row, read once, in order through each
+ * block. Returns 0 or -1 (a bad block number). */
 static int attend(const void *q, const void *k_cache, const void *v_cache, const int32_t *table, void *out,
-                  load_row_fn load, store_row_fn store, int64_t q_offset, int n, int H, int n_kv, int d,
-                  int block_size, int64_t num_blocks, float scale, float *restrict work) {
-    const int g = H / n_kv, width = n_kv * d;
-    float *restrict qf = work, *restrict acc = qf + H * d, *restrict row = acc + H * d;
+                  load_row_fn load, store_row_fn store, int64_t q_offset, int n, int h0, int h1, int g, int d,
+                  int64_t row_stride, int block_size, int64_t num_blocks, float scale, float *restrict work) {
+    const int heads = (h1 - h0) * g, width = (h1 - h0) * d;
+    float *restrict qf = work, *restrict acc = qf + heads * d, *restrict row = acc + heads * d;
     float *restrict scores = row + width;
     for (int t = 0; t < n; t += block_size)
         if (table[t / block_size] < 0 || table[t / block_size] >= num_blocks) return -1;
-    load(q, q_offset, qf, H * d);
-    for (int j = 0; j < H * d; j++) qf[j] *= scale;
-    float max[H];
-    for (int qh = 0; qh < H; qh++) max[qh] = -FLT_MAX;
+    load(q, q_offset, qf, heads * d);
+    for (int j = 0; j < heads * d; j++) qf[j] *= scale;
+    float max[heads];
+    for (int qh = 0; qh < heads; qh++) max[qh] = -FLT_MAX;
     for (int t0 = 0; t0 < n; t0 += block_size) {
-        const int64_t base = (int64_t)table[t0 / block_size] * block_size * width;
+        const int64_t base = (int64_t)table[t0 / block_size] * block_size * row_stride + (int64_t)h0 * d;
         const int len = n - t0 < block_size ? n - t0 : block_size;
         for (int t = 0; t < len; t++) {
-            load(k_cache, base + (int64_t)t * width, row, width);
-            for (int qh = 0; qh < H; qh++) {
+            load(k_cache, base + (int64_t)t * row_stride, row, width);
+            for (int qh = 0; qh < heads; qh++) {
                 const float *restrict qi = qf + qh * d, *restrict ki = row + (qh / g) * d;
                 float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -100,8 +103,8 @@ static int attend(const void *q, const void *k_cache, const void *v_cache, const
             }
         }
     }
-    float inv[H];
-    for (int qh = 0; qh < H; qh++) {
+    float inv[heads];
+    for (int qh = 0; qh < heads; qh++) {
         float *restrict si = scores + (int64_t)qh * n, total = 0.f;
         const float m = max[qh];
 #pragma omp simd
@@ -110,39 +113,46 @@ static int attend(const void *q, const void *k_cache, const void *v_cache, const
         for (int t = 0; t < n; t++) total += si[t];
         inv[qh] = 1.f / total;
     }
-    memset(acc, 0, sizeof(float) * H * d);
+    memset(acc, 0, sizeof(float) * heads * d);
     for (int t0 = 0; t0 < n; t0 += block_size) {
-        const int64_t base = (int64_t)table[t0 / block_size] * block_size * width;
+        const int64_t base = (int64_t)table[t0 / block_size] * block_size * row_stride + (int64_t)h0 * d;
         const int len = n - t0 < block_size ? n - t0 : block_size;
         for (int t = 0; t < len; t++) {
-            load(v_cache, base + (int64_t)t * width, row, width);
-            for (int qh = 0; qh < H; qh++) {
+            load(v_cache, base + (int64_t)t * row_stride, row, width);
+            for (int qh = 0; qh < heads; qh++) {
                 const float p = scores[(int64_t)qh * n + t0 + t], *restrict vi = row + (qh / g) * d;
                 float *restrict ai = acc + qh * d;
                 for (int j = 0; j < d; j++) ai[j] += p * vi[j];
             }
         }
     }
-    for (int qh = 0; qh < H; qh++)
+    for (int qh = 0; qh < heads; qh++)
         for (int j = 0; j < d; j++) acc[qh * d + j] *= inv[qh];
-    store(acc, out, q_offset, H * d);
+    store(acc, out, q_offset, heads * d);
     return 0;
 }
 
 static int decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                   const int32_t *context_lens, void *out, int B, int H, int n_kv, int d, int block_size,
                   int max_blocks, int64_t num_blocks, float scale, load_row_fn load, store_row_fn store) {
+    const int g = H / n_kv;
+    /* a work item is a sequence (whole cache rows, read in order); with fewer sequences than
+     * twice the threads, a (sequence, KV head) pair, so that one long sequence still uses every
+     * core */
+    const int split = B < 2 * omp_get_max_threads() ? n_kv : 1, per_item = n_kv / split;
     int status = 0;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int b = 0; b < B; b++) {
-        const int n = context_lens[b];
+    for (int item = 0; item < B * split; item++) {
+        const int b = item / split, h0 = (item % split) * per_item, n = context_lens[b];
         int rc = -1;
         if (n >= 1 && n <= max_blocks * block_size) {
-            float *work = malloc(sizeof(float) * ((size_t)2 * H * d + (size_t)n_kv * d + (size_t)H * n));
+            const size_t heads = (size_t)per_item * g;
+            float *work = malloc(sizeof(float) * (2 * heads * d + (size_t)per_item * d + heads * (size_t)n));
             rc = -2;
             if (work) {
                 rc = attend(q, k_cache, v_cache, block_tables + (int64_t)b * max_blocks, out, load, store,
-                            (int64_t)b * H * d, n, H, n_kv, d, block_size, num_blocks, scale, work);
+                            ((int64_t)b * H + (int64_t)h0 * g) * d, n, h0, h0 + per_item, g, d,
+                            (int64_t)n_kv * d, block_size, num_blocks, scale, work);
                 free(work);
             }
         }
