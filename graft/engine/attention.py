@@ -183,12 +183,13 @@ def decode_attention_fast(
 ) -> torch.Tensor:
     """The fastest decode attention for the tensors' device, the same results from each.
 
-    On a CPU the native kernel (graft/kernels/cpu_decode.py: reads the paged cache in place, about
-    a third of `decode_attention_varlen`'s time), or `decode_attention_varlen` where the kernel
-    cannot be built; elsewhere `decode_attention_batched`, which keeps the step free of host syncs.
+    On a CPU in bf16 the native kernel (graft/kernels/cpu_decode.py: reads the paged cache in
+    place, about a quarter of `decode_attention_varlen`'s time in a decode step); in fp32, or where
+    the kernel cannot be built, `decode_attention_varlen`; elsewhere `decode_attention_batched`,
+    which keeps the step free of host syncs.
     """
     if q.device.type == "cpu":
-        if cpu_decode.supports(q, k_cache):
+        if cpu_decode.preferred(q, k_cache):
             return cpu_decode.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
         return decode_attention_varlen(q, k_cache, v_cache, block_tables, context_lens, scale, gather)
     return decode_attention_batched(q, k_cache, v_cache, block_tables, context_lens, scale, gather)
