@@ -98,7 +98,8 @@ def test_no_engine_flags_means_the_out_of_the_box_engine():
     assert engine_argv(bench_args("--dtype", "float32", "--no-prefix-caching")) == ["--dtype", "float32",
                                                                                   "--no-prefix-caching"]
     wide = engine_flags(bench_args("-c", "64"))
-    assert wide == ["--max-num-seqs", "64", "--max-num-batched-tokens", "512"]
+    budget = str(EngineConfig().max_num_batched_tokens)     # the default, whatever it is
+    assert wide == ["--max-num-seqs", "64", "--max-num-batched-tokens", budget]
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     serve = parser.parse_args([])

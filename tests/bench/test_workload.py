@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from graft.engine.config import EngineConfig
 from graft.bench.args import CLASS_CONCURRENCY, add_bench_args
 from graft.bench.cli import EXIT_BAD_INPUT, engine_flags
 from graft.bench.cli import main as bench_main
@@ -95,8 +96,9 @@ def test_class_and_sweep_flags_are_checked_when_parsed(capsys):
 def test_each_engine_gets_room_for_all_its_requests_in_flight():
     args = bench_args("workload", "--sweep", "1,64")
     assert engine_flags(args, 16) == []                 # within the default 32 sequences: no flags at all
-    assert engine_flags(args, max(args.sweep)) == ["--max-num-seqs", "64", "--max-num-batched-tokens", "512"]
-    assert engine_flags(bench_args("-c", "40")) == ["--max-num-seqs", "40", "--max-num-batched-tokens", "512"]
+    budget = str(EngineConfig().max_num_batched_tokens)     # the default, whatever it is
+    assert engine_flags(args, max(args.sweep)) == ["--max-num-seqs", "64", "--max-num-batched-tokens", budget]
+    assert engine_flags(bench_args("-c", "40")) == ["--max-num-seqs", "40", "--max-num-batched-tokens", budget]
 
 
 # ---- the knee ----
