@@ -184,7 +184,7 @@ def decode_attention_fast(
     """The fastest decode attention for the tensors' device, the same results from each.
 
     On a CPU in bf16 the native kernel (graft/kernels/cpu_decode.py: reads the paged cache in
-    place, about a quarter of `decode_attention_varlen`'s time in a decode step); in fp32, or where
+    place; 1.3-4.5x `decode_attention_varlen` in `graft bench kernels`); in fp32, or where
     the kernel cannot be built, `decode_attention_varlen`; elsewhere `decode_attention_batched`,
     which keeps the step free of host syncs.
     """

@@ -30,8 +30,9 @@ class EngineConfig:
     max_model_len: int = 8192           # prompt + generation
     max_num_seqs: int = 32              # running sequences per step
     # token budget per step (decode tokens + prefill chunks). 1024 by measurement: on 16 mixed BBH
-    # prompts at concurrency 16 it gave 1.08x the throughput of 512 (68.0-69.2 against 63.4-63.8
-    # output tok/s, alternated) with the same TTFT and TPOT p99; 2048 was slower (docs/benchmarks.md)
+    # prompts at concurrency 16 it gave 1.08x the throughput of 512 with the same TTFT and TPOT p99.
+    # 2048 gave 1.14x over 1024 in a later run and is not the default yet: longer steps are what the
+    # short requests of a mixed workload wait behind (docs/benchmarks.md, "The token budget")
     max_num_batched_tokens: int = 1024
     max_waiting: int = 256              # admission queue bound; beyond it requests get 429
     enable_prefix_caching: bool = True

@@ -2,12 +2,10 @@
 
 Torch has no paged decode attention for a CPU. Its twin, `decode_attention_varlen`, gathers each
 sequence's blocks and attends with a dozen small operators per sequence per layer, and at one
-query row per sequence those operators cost more in dispatch than in arithmetic: about 3.3 ms a
-layer for 16 sequences of ~850 tokens, a hundred milliseconds of every decode step of the 30-layer
-model. `csrc/paged_decode_cpu.c` reads the keys and values in place from the paged cache, one
-sequence per OpenMP work item, scores and softmax in float32: about 1 ms a layer
-on the same work, 0.9 ms in the engine where its twin takes 3.6 ms (the cache is cold there: each
-layer's weights stream through between two calls).
+query row per sequence those operators cost more in dispatch than in arithmetic; in bf16 its
+small matmuls are slow besides. `csrc/paged_decode_cpu.c` reads the keys and values in place from
+the paged cache, one sequence per OpenMP work item, scores and softmax in float32. `graft bench
+kernels` times the two on SmolLM2's shapes (docs/benchmarks.md: 1.3-4.5x in bf16).
 
 The C file is compiled once per machine with the system's C compiler (well under a second) into
 a per-user cache, keyed by the source, the flags and the compiler, and loaded with ctypes; no
@@ -128,11 +126,10 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def preferred(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the engine should run the kernel rather than its twin: in bf16 only. In bf16 the
-    twin's small matmuls are slow on a CPU and the kernel takes about a quarter of its time in a
-    decode step; in fp32 the twin's matmuls are fast and a pass was 15% quicker with the twin
-    (7.0 against 8.3-9.2 s of decode steps on 16 mixed BBH prompts), so fp32 keeps the twin. The
-    fp32 entry point stays for `graft bench kernels` and for checking the kernel's arithmetic
-    against the twin to float32 precision."""
+    twin's small matmuls are slow on a CPU and the kernel wins at every shape `graft bench kernels`
+    times; in fp32 the twin's matmuls are fast and the kernel loses from 16 sequences of 1,024
+    tokens up, the shapes of a loaded decode step. The fp32 entry point stays for that benchmark
+    and for checking the kernel's arithmetic against the twin to float32 precision."""
     return q.dtype == torch.bfloat16 and supports(q, k_cache)
 
 
