@@ -162,11 +162,12 @@ async def scraping(url: str, every: float = SCRAPE_EVERY_S) -> AsyncIterator[lis
 
     async def loop(client: httpx.AsyncClient) -> None:
         while True:
+            last = stop.is_set()        # set before this scrape began: it is the one at the end
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 resp = await client.get("/metrics")
                 if resp.status_code == 200:
                     samples.append(engine_gauges(resp.text))
-            if stop.is_set():
+            if last:
                 return
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), every)
@@ -459,7 +460,9 @@ def plot_sweep(path: Path, result: Mapping[str, Any]) -> Path:
                                      ("tpot_p50", "-s", "#d08030", "TPOT p50"),
                                      ("tpot_p99", "--s", "#d08030", "TPOT p99")):
         lat.plot(cs, series(key, scale=1000.0), style, color=color, label=label, markersize=4)
-    lat.set_yscale("log")
+    latencies = [v for key in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99") for v in series(key)]
+    if any(v > 0 for v in latencies):   # a log axis with no positive value cannot be drawn (a tiny run)
+        lat.set_yscale("log")
     lat.set_ylabel("ms")
     lat.set_title("latency", fontsize=9)
     lat.legend(fontsize=7)
@@ -474,6 +477,7 @@ def plot_sweep(path: Path, result: Mapping[str, Any]) -> Path:
     kv.legend(fontsize=7)
     for ax in (tput, lat, kv):
         ax.set_xscale("log", base=2)
+        ax.set_xlim(min(cs) / 1.25, max(cs) * 1.25)   # a panel whose figures are all missing has no data limits
         ax.set_xticks(cs, [str(c) for c in cs])
         ax.set_xlabel("requests in flight")
         ax.grid(alpha=0.3)

@@ -215,10 +215,12 @@ async def test_every_stream_keeps_its_concurrency_until_every_class_has_its_coun
 
 @pytest.mark.slow
 def test_workload_suite_runs_end_to_end_through_graft_bench(tmp_path, capsys):
+    # 24 new tokens: a sweep point then runs for about 0.7 s, long enough for the 0.25 s scrapes
+    # to see it running (at 4 tokens, with the BBH prefix cached, a point could end unseen)
     out = tmp_path / "out"
     code = bench_main(bench_args(
         "workload", "--data-dir", str(data_dir()), "--out", str(out), "--allow-load", "--class-prompts", "2",
-        "--class-concurrency", "bbh=1,gsm8k=2,humaneval=1", "--max-tokens", "4", "--sweep", "1,2",
+        "--class-concurrency", "bbh=1,gsm8k=2,humaneval=1", "--max-tokens", "24", "--sweep", "1,2",
         "--sweep-waves", "1", "--kv-cache-memory", "96M"))
     err = capsys.readouterr().err
     assert code == 0, err
@@ -247,3 +249,16 @@ def test_workload_suite_runs_end_to_end_through_graft_bench(tmp_path, capsys):
     for name in ("workload-isolation.png", "workload-sweep.png"):
         png = (out / name).read_bytes()
         assert png[:8] == PNG and len(png) > 10_000
+
+
+def test_the_sweep_plot_is_drawn_when_no_point_has_a_latency(tmp_path):
+    """A tiny run (a few tokens, a busy machine) can leave every TTFT/TPOT empty: the plot is still
+    drawn, on a linear latency axis, where a log axis would refuse."""
+    from graft.bench.workload import plot_sweep
+    latencies = {"ttft_p50": None, "ttft_p99": None, "tpot_p50": None, "tpot_p99": None}
+    engine = {"kv_usage_max": 0.1, "kv_usage_mean": 0.05, "kv_fragmentation_max": 0.2, "kv_fragmentation_mean": 0.1}
+    result = {"sweep": {"knee": None, "points": [
+        {"concurrency": c, "summary": {"output_tok_s": 10.0 * c, **latencies}, "engine": engine} for c in (1, 2)]},
+        "config": {"sweep_waves": 2, "max_tokens": 4, "dtype": "bfloat16"}}
+    path = plot_sweep(tmp_path / "sweep.png", result)
+    assert path.stat().st_size > 0
