@@ -10,10 +10,13 @@ under CUDA graphs; the twins get lists). Prints one table per kernel and writes 
 kernels.json. The Triton figures mean something on a CUDA GPU only. Without one the Triton part is
 a smoke run: the kernels run in Triton's interpreter (TRITON_INTERPRET=1, about 1 ms per program
 instance) on a few tiny fp16 shapes, checked against their twins, and those timings are not
-figures. On a CPU the suite also measures, for real, the C decode attention the engine runs there
-(`decode.cpu`, graft/kernels/cpu_decode.py) against its torch twin `decode_attention_varlen`,
-bf16 and fp32, on the host clock; its cache is warm (the same tensors call after call), so the
-ratio is smaller than inside a decode step, where every layer's weights evict it between calls.
+figures. On a CPU the suite also measures, for real, the C attention kernels the engine runs there, on the
+host clock: the portable decode attention (`decode.cpu`, graft/kernels/cpu_decode.py, bf16 and
+fp32) and the AVX-512 BF16 one (`decode.avx512`, graft/kernels/cpu_avx512.py) against their torch
+twin `decode_attention_varlen`, and the AVX-512 BF16 prefill attention (`prefill.cpu`) against
+`prefill_attention_fused` (torch's SDPA). Their caches are warm (the same tensors call after
+call), so the decode ratios are smaller than inside a decode step, where every layer's weights
+evict the cache between calls.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ Timer = Callable[[Callable[[], object], float], float]
 
 @dataclass(slots=True)
 class Case:
-    kernel: str           # "decode", "prefill.paged", "prefill.slot", "kv.store", "decode.cpu"
+    kernel: str           # "decode", "prefill.paged", "prefill.slot", "kv.store", "decode.cpu",
+                          # "decode.avx512", "prefill.cpu"
     dtype: str
     batch: int            # sequences; for kv.store, tokens stored
     context: int          # cached tokens per sequence before this step
@@ -132,6 +136,30 @@ def prepare(case: Case, device: torch.device) -> Prepared:
         got = lambda: paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, SCALE)
         want = lambda: decode_attention_varlen(q, k_cache, v_cache, tables, lens, SCALE, None)
         return Prepared(got, want, lambda: (got(), want()), 2 * b * total * N_KV * HEAD_DIM * size, "GB/s")
+    if case.kernel == "decode.avx512":
+        from graft.engine.attention import decode_attention_varlen
+        from graft.kernels.cpu_avx512 import paged_decode_attention, supports_decode
+        from graft.kernels.cpu_decode import NativeKernelError
+        k_cache, v_cache, tables = paged_cache(b, total, dtype, device)
+        q = torch.randn(b, N_HEADS, HEAD_DIM, dtype=dtype, device=device)
+        if not supports_decode(q, k_cache, v_cache):
+            raise NativeKernelError("the AVX-512 BF16 decode kernel is not available here (see the log)")
+        lens = [total] * b
+        got = lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE)
+        want = lambda: decode_attention_varlen(q, k_cache, v_cache, tables, lens, SCALE, None)
+        return Prepared(got, want, lambda: (got(), want()), 2 * b * total * N_KV * HEAD_DIM * size, "GB/s")
+    if case.kernel == "prefill.cpu":
+        from graft.engine.attention import prefill_attention_fused
+        from graft.kernels.cpu_avx512 import prefill_attention, supports_prefill
+        from graft.kernels.cpu_decode import NativeKernelError
+        q = torch.randn(new, N_HEADS, HEAD_DIM, dtype=dtype, device=device)
+        k = torch.randn(total, N_KV, HEAD_DIM, dtype=dtype, device=device)
+        v = torch.randn(total, N_KV, HEAD_DIM, dtype=dtype, device=device)
+        if not supports_prefill(q, k, v):
+            raise NativeKernelError("the AVX-512 BF16 prefill kernel is not available here (see the log)")
+        got = lambda: prefill_attention(q, k, v, SCALE)
+        want = lambda: prefill_attention_fused(q, k, v, SCALE)
+        return Prepared(got, want, lambda: (got(), want()), _causal_flops(prior, new), "TFLOP/s")
     if case.kernel == "prefill.paged":
         k_cache, v_cache, tables = paged_cache(b, total, dtype, device)
         q = torch.randn(b * new, N_HEADS, HEAD_DIM, dtype=dtype, device=device)
@@ -228,7 +256,7 @@ def render(results: list[Result]) -> None:
     for kernel in dict.fromkeys(r.kernel for r in results):
         rows = [r for r in results if r.kernel == kernel]
         unit = next((r.unit for r in rows if r.unit), "")
-        what = "C" if kernel.endswith(".cpu") else "Triton"
+        what = "C" if kernel.endswith((".cpu", ".avx512")) else "Triton"
         table = Table(title=f"{kernel}: {what} vs torch twin ({N_HEADS} heads / {N_KV} KV heads / dim {HEAD_DIM})",
                       box=box.SIMPLE_HEAD)
         for column in ("dtype", "batch", "context", "new", f"{what.lower()} ms", "torch ms", "speedup", unit,
@@ -271,10 +299,15 @@ def tiny_cases() -> list[Case]:
 
 
 def cpu_cases(quick: bool) -> list[Case]:
-    """The C decode attention on SmolLM2 shapes: the batches and contexts of a CPU decode step."""
+    """The C attention kernels on SmolLM2 shapes: the batches and contexts of a CPU decode step for
+    the decode kernels (the portable one in bf16 and fp32, the AVX-512 BF16 one in bf16), and one
+    sequence's prefill chunk (new tokens after cached ones) for the prefill kernel."""
     batches = [1, 16] if quick else [1, 4, 16, 32]
     contexts = [512, 2048] if quick else [256, 1024, 2048, 4096]
-    return [Case("decode.cpu", dtype, b, c - 1, 1) for dtype in ("bf16", "fp32") for b in batches for c in contexts]
+    chunks = [(0, 512), (512, 512)] if quick else [(0, 256), (0, 1024), (1024, 1024), (0, 2048), (3072, 1024)]
+    return ([Case("decode.cpu", dtype, b, c - 1, 1) for dtype in ("bf16", "fp32") for b in batches for c in contexts]
+            + [Case("decode.avx512", "bf16", b, c - 1, 1) for b in batches for c in contexts]
+            + [Case("prefill.cpu", "bf16", 1, prior, new) for prior, new in chunks])
 
 
 def wall_time_ms(fn: Callable[[], object], budget_ms: float) -> float:

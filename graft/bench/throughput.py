@@ -22,17 +22,19 @@ reuses it; transformers recomputes it for every prompt).
 from __future__ import annotations
 
 import asyncio
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from graft.bench import report
+from graft.bench import report, roofline
 from graft.bench.args import ONE_TASK
 from graft.bench.data import Prompt, bbh_prompts, mixed_bbh_prompts
 from graft.bench.loadgen import LoadGenerator, LoadReport, Request
 from graft.bench.method import alternation, load_average, ratio_spread
 from graft.engine.launcher import launch_engine
+from graft.engine.loader import load_config
 
 WARMUP = Request("The capital of France is", max_tokens=4)
 
@@ -81,6 +83,7 @@ class Pass:
     cpu_s: float | None = None
     detail: dict[str, Any] = field(default_factory=dict)
     ttft: list[float] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)   # per request, as the server counted them
 
 
 # ---- the sides ----
@@ -102,7 +105,8 @@ async def _serve_pass(url: str, prompts: list[str], cfg: ThroughputConfig, label
 
 def _from_report(side: str, r: int, rep: LoadReport, cpu_s: float | None, load: float) -> Pass:
     s = rep.summary()
-    return Pass(side, r, s.output_tok_s, s.errors, load, load_average(), cpu_s, s.as_dict(), rep.ttfts())
+    return Pass(side, r, s.output_tok_s, s.errors, load, load_average(), cpu_s, s.as_dict(), rep.ttfts(),
+                [r.prompt_tokens for r in rep.ok if r.prompt_tokens])
 
 
 def engine_pass(args: list[str], side: str, r: int, prompts: list[str], cfg: ThroughputConfig, label: str,
@@ -150,6 +154,8 @@ class Sides:
         self.cfg = cfg
         self._hf = None
         self.llama_setting = None           # chosen by the workload's sweep
+        self.model_config = None            # the model's shape and this machine's rates: the roofline
+        self.rates: dict[str, float] | None = None
         if cfg.baseline == "llama-server":
             from graft.bench.llama_server import gguf_file, llama_server_binary
             llama_server_binary(), gguf_file(cfg.model)   # refuse before any pass runs
@@ -194,6 +200,10 @@ def run_workload(kind: str, prompts: list[Prompt], cfg: ThroughputConfig, sides:
     entry["passes"] = passes
     engine = [p.output_tok_s for p in passes if p.side == "engine"]
     entry["engine_tok_s"] = engine
+    counted = next((p.prompt_tokens for p in passes if p.side == "engine" and len(p.prompt_tokens) == len(texts)), None)
+    if getattr(sides, "rates", None) is not None and counted:
+        bound = roofline.bound(sides.model_config, counted, cfg.max_tokens, sides.rates)
+        entry["roofline"] = {**bound, "engine_share": statistics.median(engine) / bound["output_tok_s"]}
     if cfg.baseline != "none":
         base = [p.output_tok_s for p in passes if p.side == "baseline"]
         entry["baseline_tok_s"] = base
@@ -203,7 +213,12 @@ def run_workload(kind: str, prompts: list[Prompt], cfg: ThroughputConfig, sides:
 
 def run_throughput(cfg: ThroughputConfig, out: Path) -> dict[str, Any]:
     """Run every workload; write JSON and plots under `out`."""
+    import torch
+
     sides = Sides(cfg)
+    with report.status("measuring this machine's matmul and copy rates for the roofline"):
+        sides.model_config = load_config(cfg.model)
+        sides.rates = roofline.measure(sides.model_config, getattr(torch, cfg.dtype))
     result: dict[str, Any] = {
         "suite": "throughput", "command": report.command_line(), "machine": report.machine_info(),
         "config": {"num_prompts": cfg.num_prompts, "concurrency": cfg.concurrency, "max_tokens": cfg.max_tokens,
@@ -246,6 +261,13 @@ def show_throughput(result: dict[str, Any]) -> None:
             t.add_row(str(i + 1), side, f"{p['output_tok_s']:.1f}", str(p["errors"]), f"{p['load_before']:.2f}",
                       f"{p['load_after']:.2f}")
         report.show(t)
+        if "roofline" in entry:
+            roof = entry["roofline"]
+            report.console.print(
+                f"roofline: {roof['output_tok_s']:.0f} output tok/s ({roof['prefill_tflop']:.2f} TFLOP of prefill "
+                f"at {roof['gemm_gflops']:.0f} GFLOPS = {roof['prefill_s']:.2f} s, decode steps at "
+                f"{roof['copy_gbps']:.0f} GB/s or that rate = {roof['decode_s']:.2f} s); the engine's median pass: "
+                f"[bold]{100 * roof['engine_share']:.0f}%[/] of it")
         if "ratio" in entry:
             ratio = entry["ratio"]
             report.console.print(f"engine / {baseline_name(cfg, entry)}: median [bold]{ratio['median']:.2f}x[/] "

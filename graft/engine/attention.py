@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from graft.engine.patches.slots import SlotTable
 from graft.engine.sampler import sample_batched
-from graft.kernels import cpu_decode
+from graft.kernels import cpu_avx512, cpu_decode
 
 Gather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -112,6 +112,17 @@ def prefill_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return out[0].transpose(0, 1)
 
 
+def prefill_attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The fastest prefill attention for the tensors, the same results from each (within bf16 rounding).
+
+    On a CPU in bf16 with AVX-512 BF16 the native kernel (graft/kernels/cpu_avx512.py: a flash-
+    attention loop on the CPU's bf16 dot products); otherwise `prefill_attention_fused`.
+    """
+    if q.device.type == "cpu" and cpu_avx512.supports_prefill(q, k, v):
+        return cpu_avx512.prefill_attention(q, k, v, scale)
+    return prefill_attention_fused(q, k, v, scale)
+
+
 def decode_attention_batched(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -183,12 +194,15 @@ def decode_attention_fast(
 ) -> torch.Tensor:
     """The fastest decode attention for the tensors' device, the same results from each.
 
-    On a CPU in bf16 the native kernel (graft/kernels/cpu_decode.py: reads the paged cache in
-    place; 1.3-4.5x `decode_attention_varlen` in `graft bench kernels`); in fp32, or where
-    the kernel cannot be built, `decode_attention_varlen`; elsewhere `decode_attention_batched`,
-    which keeps the step free of host syncs.
+    On a CPU in bf16 a native kernel that reads the paged cache in place: the AVX-512 BF16 one
+    (graft/kernels/cpu_avx512.py) where the CPU has it, else the portable one
+    (graft/kernels/cpu_decode.py); in fp32, or where neither can be built,
+    `decode_attention_varlen`; elsewhere `decode_attention_batched`, which keeps the step free of
+    host syncs. `graft bench kernels` times each against `decode_attention_varlen`.
     """
     if q.device.type == "cpu":
+        if cpu_avx512.supports_decode(q, k_cache, v_cache):
+            return cpu_avx512.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
         if cpu_decode.preferred(q, k_cache):
             return cpu_decode.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
         return decode_attention_varlen(q, k_cache, v_cache, block_tables, context_lens, scale, gather)
@@ -232,7 +246,7 @@ def default_slots(policy: Callable[..., Any], sampler: Callable[..., Any], paths
 
 FAST_SLOTS: dict[str, Callable[..., Any]] = {
     "kv.gather": gather_aligned,
-    "attention.prefill": prefill_attention_fused,
+    "attention.prefill": prefill_attention_fast,
     "attention.decode": decode_attention_fast,
     "linear.qkv": qkv_fused,
 }

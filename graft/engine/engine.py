@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from graft.engine import openmp
 from graft.engine.attention import default_slots
 from graft.engine.block_manager import BlockManager
 from graft.engine.config import EngineConfig
@@ -282,9 +283,13 @@ class LLMEngine:
         self._running = False
         self.draining = False
         self.steps = 0
+        # the model runs on the step loop's OpenMP team: end the one that loading it started on
+        # this thread (graft.engine.openmp says why)
+        openmp.release_threads()
 
     # lifecycle
     def start(self) -> None:
+        openmp.release_threads()     # and any this thread has started since
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="graft-step-loop", daemon=True)
         self._thread.start()

@@ -122,21 +122,34 @@ def _is_gguf(path: Path) -> bool:
 # ---- GGUF ----
 
 
-def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def load_config(path: str | None = None) -> ModelConfig:
+    """Only the shape of a model (GGUF file or Hugging Face folder), without weights or tokenizer."""
+    source = Path(path or default_model_path())
+    if not source.exists():
+        raise FileNotFoundError(f"model not found: {source}")
+    if source.is_dir():
+        config_path = source / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"no config.json in {source}")
+        return _config_from_hf(json.loads(config_path.read_text()), source)
+    if not _is_gguf(source):
+        raise ValueError(f"{source} is neither a GGUF file nor a Hugging Face model folder")
     import gguf
-    from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(str(path))
-    meta = {name: field.contents() for name, field in reader.fields.items()}
+    reader = gguf.GGUFReader(str(source))
+    # the vocabulary and merges are most of the metadata and none of the shape
+    meta = {name: field.contents() for name, field in reader.fields.items()
+            if not name.startswith("tokenizer.") or name.endswith("_token_id")}
+    return _gguf_config(source, meta, {t.name: t for t in reader.tensors})
+
+
+def _gguf_config(path: Path, meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path.name}: architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None):
         raise ValueError(f"{path.name}: RoPE scaling {scaling!r} is not supported")
-
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
-    tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path.name}: no token_embd.weight tensor; not a complete model file")
     heads = meta[f"{arch}.attention.head_count"]
@@ -163,6 +176,19 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
         qkv_bias="blk.0.attn_q.bias" in tensors,
         o_bias="blk.0.attn_output.bias" in tensors,
     )
+    return cfg
+
+
+def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(path))
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = _gguf_config(path, meta, tensors)
+    arch, heads, kv_heads = meta["general.architecture"], cfg.num_heads, cfg.num_kv_heads
 
     weights = {}
     for name, t in tensors.items():

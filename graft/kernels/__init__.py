@@ -6,7 +6,9 @@
 - the kernels: `store_kv`, `paged_decode_attention`, `prefill_attention`, `paged_prefill_attention`;
 - their twins: `graft.kernels.reference`;
 - `cpu_decode`: the paged decode attention for a CPU, in C (compiled on first use, loaded with
-  ctypes), whose twin is `graft.engine.attention.decode_attention_varlen`.
+  ctypes), whose twin is `graft.engine.attention.decode_attention_varlen`;
+- `cpu_avx512`: prefill and paged decode attention for a CPU with AVX-512 BF16, in C, whose twins
+  are `prefill_attention_fused` and `decode_attention_varlen`.
 
 Importing the package does not import Triton (it must see TRITON_INTERPRET first, when that is
 used): the kernel names load on first access.

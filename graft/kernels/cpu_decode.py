@@ -59,22 +59,22 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def build(cc: str, flags: tuple[str, ...], out_dir: Path) -> Path:
-    """Compile the kernel (or find it already compiled) and return the shared library's path.
+def build(cc: str, flags: tuple[str, ...], out_dir: Path, source: Path = SOURCE) -> Path:
+    """Compile `source` (or find it already compiled) and return the shared library's path.
 
     The name carries a digest of source, flags and compiler version; the file is written under a
     temporary name and renamed into place, so processes building at once never load half a file.
     """
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version]).encode()).hexdigest()[:16]
-    target = out_dir / f"paged_decode_cpu-{key}.so"
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags), version]).encode()).hexdigest()[:16]
+    target = out_dir / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)

@@ -57,19 +57,20 @@ def test_gather_over_shuffled_block_table_returns_the_stored_tokens(gather, leng
 
 @pytest.mark.parametrize("lq,lk", [(1, 1), (7, 7), (64, 64), (5, 70), (1, 130), (33, 200)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_naive_and_fused_agree(lq, lk, dtype):
+@pytest.mark.parametrize("impl", [A.prefill_attention_fused, A.prefill_attention_fast])
+def test_prefill_naive_and_fused_agree(lq, lk, dtype, impl):
     gen = torch.Generator().manual_seed(lq * 1000 + lk)
     q = torch.randn(lq, N_HEADS, D, generator=gen).to(dtype)
     k = torch.randn(lk, N_KV, D, generator=gen).to(dtype)
     v = torch.randn(lk, N_KV, D, generator=gen).to(dtype)
     naive = A.prefill_attention_naive(q, k, v, D**-0.5)
-    fused = A.prefill_attention_fused(q, k, v, D**-0.5)
+    fused = impl(q, k, v, D**-0.5)
     assert naive.shape == fused.shape == (lq, N_HEADS, D)
     tol = 1e-5 if dtype is torch.float32 else 2e-2
     torch.testing.assert_close(fused, naive, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("impl", [A.prefill_attention_naive, A.prefill_attention_fused])
+@pytest.mark.parametrize("impl", [A.prefill_attention_naive, A.prefill_attention_fused, A.prefill_attention_fast])
 def test_prefill_is_causal_with_the_query_offset(impl):
     """Query i of the last Lq tokens sees keys up to Lk - Lq + i, never a later one."""
     gen = torch.Generator().manual_seed(0)
@@ -138,7 +139,7 @@ def test_default_table_is_the_plain_family_and_fast_slots_are_patch_points():
     assert table["attention.decode"] is A.decode_attention_per_seq
     assert table["scheduler.policy"] is policy and table["sampler"] is sampler
     fast = table.with_slots(A.FAST_SLOTS)
-    assert fast["attention.prefill"] is A.prefill_attention_fused
+    assert fast["attention.prefill"] is A.prefill_attention_fast
     assert all(fast[name] is not table[name] for name in A.FAST_SLOTS)
 
 

@@ -94,18 +94,32 @@ def test_peaked_scores_keep_their_weight_and_drop_nothing_that_counts():
     torch.testing.assert_close(native, twin, atol=1e-5, rtol=1e-5)
 
 
-def test_the_fast_slot_uses_the_kernel_on_a_cpu_in_bf16_and_the_twin_in_fp32(monkeypatch):
+def test_the_fast_slot_uses_a_native_kernel_on_a_cpu_in_bf16_and_the_twin_in_fp32(monkeypatch):
+    """bf16: the AVX-512 BF16 kernel where the CPU has it, else this portable one; fp32: the twin."""
+    from graft.kernels import cpu_avx512
     lengths = [65, 3]
     calls = []
-    real = cpu_decode.paged_decode_attention_cpu
-    monkeypatch.setattr(cpu_decode, "paged_decode_attention_cpu", lambda *a: calls.append(a[0].dtype) or real(*a))
+    portable, avx512 = cpu_decode.paged_decode_attention_cpu, cpu_avx512.paged_decode_attention
+    monkeypatch.setattr(cpu_decode, "paged_decode_attention_cpu", lambda *a: calls.append("portable") or portable(*a))
+    monkeypatch.setattr(cpu_avx512, "paged_decode_attention", lambda *a: calls.append("avx512") or avx512(*a))
     for dtype in (torch.bfloat16, torch.float32):
         k_cache, v_cache, tables = paged(lengths, 3, 64, dtype)
         q = torch.randn(2, 9, 64).to(dtype)
         out = A.decode_attention_fast(q, k_cache, v_cache, tables, lengths, 0.125, A.gather_aligned)
         twin = A.decode_attention_varlen(q, k_cache, v_cache, tables, lengths, 0.125, None)
         torch.testing.assert_close(out.float(), twin.float(), atol=1e-2, rtol=1e-2)
-    assert calls == [torch.bfloat16]      # fp32: the twin's matmuls are the faster ones
+    # fp32: the twin's matmuls are the faster ones
+    assert calls == (["avx512"] if cpu_avx512.available() else ["portable"])
+    calls.clear()
+    monkeypatch.setenv("GRAFT_NATIVE_KERNELS", "0")
+    cpu_avx512.library.cache_clear()
+    cpu_decode.library.cache_clear()
+    try:
+        k_cache, v_cache, tables = paged(lengths, 3, 64, torch.bfloat16)
+        A.decode_attention_fast(torch.randn(2, 9, 64).bfloat16(), k_cache, v_cache, tables, lengths, 0.125, None)
+    finally:
+        cpu_avx512.library.cache_clear()
+    assert calls == []                    # switched off: both native kernels, not just one
 
 
 def test_a_block_outside_the_cache_is_refused_not_read():
@@ -164,10 +178,12 @@ def test_isa_flags_never_ask_for_the_native_march():
     assert not any("march" in f for f in cpu_decode.BASE_FLAGS)
 
 
-def test_the_model_in_bf16_gives_the_same_logits_through_the_kernel_as_through_its_twin():
-    """SmolLM2 in bf16, a 3-shot BBH prompt: the last token decoded through the kernel and through
-    the twin (everything else the same) give the same next-token logits, to bf16 precision, and the
-    same most likely token."""
+@pytest.mark.parametrize("kernel", ["portable", "fast slot"])
+def test_the_model_in_bf16_gives_the_same_logits_through_the_kernel_as_through_its_twin(kernel):
+    """SmolLM2 in bf16, a 3-shot BBH prompt: the last token decoded through a native kernel (this
+    portable one, and whatever the fast slot runs here: the AVX-512 BF16 one on a CPU that has it)
+    and through the twin (everything else the same) give the same next-token logits, to bf16
+    precision, and the same most likely token."""
     from graft.bench.data import bbh_prompts
     from graft.engine.config import EngineConfig
     from graft.engine.engine import LLMEngine
@@ -175,11 +191,14 @@ def test_the_model_in_bf16_gives_the_same_logits_through_the_kernel_as_through_i
 
     engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_memory=64 << 20))
     assert engine.slots["attention.decode"] is A.decode_attention_fast and cpu_decode.available()
+    impl = cpu_decode.paged_decode_attention_cpu if kernel == "portable" else A.decode_attention_fast
     prompt = bbh_prompts(data_dir(), ["date_understanding"])[0].text
     ids = engine.tokenizer.encode(prompt)[:700]
     blocks = list(range(11))            # the engine is idle: any 11 blocks hold the 700 tokens
-    fast = engine.runner.probe_logits(ids, engine.slots, blocks)[-1]
+    native = engine.runner.probe_logits(ids, engine.slots.with_slots({"attention.decode": impl}), blocks)[-1]
     twin = engine.runner.probe_logits(
         ids, engine.slots.with_slots({"attention.decode": A.decode_attention_varlen}), blocks)[-1]
-    assert fast.argmax() == twin.argmax()
-    torch.testing.assert_close(fast, twin, atol=0.15, rtol=0.02)
+    # bf16 rounds every hidden state; over 30 layers that is an absolute error of a few hundredths
+    # of the logits' range, on small logits as on large ones
+    assert native.topk(5).indices.tolist() == twin.topk(5).indices.tolist()
+    assert (native - twin).abs().max() <= 0.02 * twin.abs().max()

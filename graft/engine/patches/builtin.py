@@ -28,8 +28,9 @@ def patches() -> list[Patch]:
               description="KV gathers aligned to 64-token blocks: one vectorised gather over the block "
                           "table instead of a copy per block"),
         Patch("prefill-fusion", VERSION,
-              {"linear.qkv": attention.qkv_fused, "attention.prefill": attention.prefill_attention_fused},
-              description="one fused QKV projection and a fused (SDPA) prefill attention",
+              {"linear.qkv": attention.qkv_fused, "attention.prefill": attention.prefill_attention_fast},
+              description="one fused QKV projection and a fused prefill attention (SDPA; the native "
+                          "bf16 flash-attention kernel on a CPU that has AVX-512 BF16)",
               migrate=_fuse, unmigrate=_unfuse, tolerance=2e-3),
         Patch("sync-free", VERSION,
               {"attention.decode": attention.decode_attention_fast, "sampler": sample_batched},
