@@ -27,13 +27,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import subprocess
 from pathlib import Path
 
 import torch
 
-from graft.kernels.cpu_decode import _TRUE_OFF, BASE_FLAGS, NativeKernelError, _compiler, build, cache_dir
+from graft.kernels.cpu_decode import BASE_FLAGS, NativeKernelError, load_native
 
 log = logging.getLogger(__name__)
 
@@ -61,23 +59,13 @@ def _bind(path: Path) -> ctypes.CDLL:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (with the reason logged once) where they cannot be had."""
-    if os.environ.get("GRAFT_NATIVE_KERNELS", "").strip().lower() in _TRUE_OFF:
-        log.info("native CPU kernels off (GRAFT_NATIVE_KERNELS): bf16 attention runs without AVX-512 kernels")
-        return None
     from graft.engine.config import cpu_flags
+    instead = "bf16 attention runs without AVX-512 kernels"
     missing = REQUIRED_CPU - cpu_flags()
     if missing:
-        log.info("this CPU lacks %s: bf16 attention runs without AVX-512 kernels", ", ".join(sorted(missing)))
+        log.info("this CPU lacks %s: %s", ", ".join(sorted(missing)), instead)
         return None
-    cc = _compiler()
-    if cc is None:
-        log.warning("no C compiler found: bf16 attention runs without AVX-512 kernels (slower, same results)")
-        return None
-    try:
-        return _bind(build(cc, BASE_FLAGS + ISA_FLAGS, cache_dir(), SOURCE))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("could not build the AVX-512 attention kernels, bf16 attention runs without them: %s", exc)
-        return None
+    return load_native(SOURCE, BASE_FLAGS + ISA_FLAGS, _bind, "the AVX-512 attention kernels", instead)
 
 
 def available() -> bool:

@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,22 +94,33 @@ def _bind(path: Path) -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (with the reason logged once) where it cannot be had."""
+def load_native(source: Path, flags: tuple[str, ...], bind: Callable[[Path], ctypes.CDLL], what: str,
+                instead: str) -> ctypes.CDLL | None:
+    """Build `source` with `flags` (or find it built), bind it, or say once why not and return None.
+
+    `what` names the kernel in the log ("the native decode kernel"), `instead` what runs in its
+    place ("decode attention runs in torch").
+    """
     if os.environ.get("GRAFT_NATIVE_KERNELS", "").strip().lower() in _TRUE_OFF:
-        log.info("native CPU kernels off (GRAFT_NATIVE_KERNELS): decode attention runs in torch")
+        log.info("native CPU kernels off (GRAFT_NATIVE_KERNELS): %s", instead)
         return None
     cc = _compiler()
     if cc is None:
-        log.warning("no C compiler found: decode attention runs in torch (slower, same results)")
+        log.warning("no C compiler found: %s (slower, same results)", instead)
         return None
-    from graft.engine.config import cpu_flags
     try:
-        return _bind(build(cc, BASE_FLAGS + isa_flags(cpu_flags()), cache_dir()))
+        return bind(build(cc, flags, cache_dir(), source))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("could not build the native decode kernel, decode attention runs in torch: %s", exc)
+        log.warning("could not build %s, %s: %s", what, instead, exc)
         return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (with the reason logged once) where it cannot be had."""
+    from graft.engine.config import cpu_flags
+    return load_native(SOURCE, BASE_FLAGS + isa_flags(cpu_flags()), _bind, "the native decode kernel",
+                       "decode attention runs in torch")
 
 
 def available() -> bool:
