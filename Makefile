@@ -30,8 +30,10 @@ prometheus:
 # so two files share the two cores well; a file's module fixtures (a fleet, an engine) stay in one
 # worker. TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
+# Two test workers share the cores, each starting engines: OpenMP threads must sleep between
+# operators, not spin (libgomp spins when it manages no more threads than there are cores).
 test: setup prometheus
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+	TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -m "not slow and not e2e"

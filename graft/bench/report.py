@@ -194,9 +194,10 @@ def plot_throughput(path: str | os.PathLike, bars: Mapping[str, float], *, basel
 
 
 def plot_passes(path: str | os.PathLike, passes: Sequence[Mapping[str, Any]], ratio: Mapping[str, Any] | None, *,
-                names: Mapping[str, str], title: str) -> Path:
+                names: Mapping[str, str], title: str, roofline: float | None = None) -> Path:
     """Every pass in the order it ran, one colour per side, each labelled with its throughput and
-    the load average before it; the title carries the median ratio and its spread."""
+    the load average before it; the title carries the median ratio and its spread, and a dashed
+    line the roofline when there is one."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(passes) + 2), 4))
     colors = {"engine": "#2f6fb0", "baseline": "#9aa5b1"}
@@ -212,7 +213,10 @@ def plot_passes(path: str | os.PathLike, passes: Sequence[Mapping[str, Any]], ra
             ax.bar([0], [0], color=color, label=names.get(side, side))
     ax.set_xticks(xs, [f"{i}\nround {p['round'] + 1}" for i, p in zip(xs, passes)], fontsize=8)
     ax.set_xlim(0.4, len(passes) + 0.6)
-    ax.set_ylim(0, max(values, default=1.0) * 1.3 or 1.0)
+    top = max([*values, roofline or 0.0], default=1.0)
+    if roofline:
+        ax.axhline(roofline, color="#c0392b", linestyle="--", linewidth=1, label=f"roofline {roofline:.0f} tok/s")
+    ax.set_ylim(0, top * 1.3 or 1.0)
     ax.set_ylabel("output tokens/s")
     ax.legend(fontsize=8, loc="lower right")
     if ratio:

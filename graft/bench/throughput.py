@@ -280,7 +280,8 @@ def plot_throughput(result: dict[str, Any], out: Path) -> None:
         report.plot_passes(out / f"throughput-{kind}.png", entry["passes"], entry.get("ratio"),
                            names={"engine": "graft engine", "baseline": baseline_name(cfg, entry)},
                            title=f"BBH CoT {kind}: {cfg['num_prompts']} prompts, concurrency {cfg['concurrency']}, "
-                                 f"{cfg['max_tokens']} new tokens, {cfg['dtype']}")
+                                 f"{cfg['max_tokens']} new tokens, {cfg['dtype']}",
+                           roofline=entry.get("roofline", {}).get("output_tok_s"))
     report.plot_cdf(out / "throughput-ttft-cdf.png",
                     {f"engine {k}": [x for p in e["passes"] if p["side"] == "engine" for x in p["ttft"]]
                      for k, e in result["workloads"].items()},

@@ -12,6 +12,7 @@ import logging
 import re
 import signal
 import ssl
+import sys
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -109,8 +110,22 @@ def served_name(model: str | None) -> str:
     return path.name
 
 
+# The step loop thread gives up the GIL around every torch operator (hundreds a step) and must
+# take it back after each; when the event loop thread holds it then (streaming tokens), CPython
+# makes the step loop wait up to the switch interval, 5 ms by default, with the model's cores
+# idle. At 0.5 ms a pass of the BBH workload through `graft serve` ran 1.08x faster (two
+# alternated pairs, 102.7-105.3 against 112.4-112.8 tok/s) on fewer CPU-seconds.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+def tune_interpreter() -> None:
+    """Process-wide settings for a process that serves: the GIL switch interval (above)."""
+    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+
+
 async def serve(config: EngineConfig, opts: ServeOptions) -> None:
     admin = check_admin_setup(opts) if opts.admin_port is not None else None
+    tune_interpreter()
     engine = await asyncio.to_thread(LLMEngine, config)
     engine.start()
     model_name = opts.served_model_name or served_name(config.model)

@@ -1,4 +1,5 @@
-"""The step loop's OpenMP team is the only one: the team a thread started loading the model ends."""
+"""The step loop runs unhindered: the OpenMP team a thread started loading the model ends, and a
+serving process hands the GIL back quickly."""
 from __future__ import annotations
 
 import os
@@ -69,3 +70,22 @@ def test_an_engine_ends_the_team_of_the_thread_that_built_it(monkeypatch):
         assert calls == [builder.ident, threading.get_ident()]
     finally:
         engine.stop()
+
+
+def test_a_serving_process_hands_the_gil_back_to_the_step_loop_within_half_a_millisecond():
+    """The step loop retakes the GIL after every operator; a 5 ms wait each time behind the event
+    loop's token streaming would leave the cores idle."""
+    import sys
+
+    from graft.engine import serve
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        serve.tune_interpreter()
+        assert sys.getswitchinterval() == pytest.approx(0.0005, rel=0.05)
+        sys.setswitchinterval(0.0001)            # never raised above what someone chose
+        serve.tune_interpreter()
+        assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
+    finally:
+        sys.setswitchinterval(before)
