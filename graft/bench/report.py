@@ -199,7 +199,8 @@ def plot_passes(path: str | os.PathLike, passes: Sequence[Mapping[str, Any]], ra
     the load average before it; the title carries the median ratio and its spread, and a dashed
     line the roofline when there is one."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(passes) + 2), 4))
+    width = max(5.0, 0.9 * len(passes) + 2)
+    fig, ax = plt.subplots(figsize=(width, 4))
     colors = {"engine": "#2f6fb0", "baseline": "#9aa5b1"}
     xs = list(range(1, len(passes) + 1))
     values = [p["output_tok_s"] for p in passes]
@@ -218,11 +219,11 @@ def plot_passes(path: str | os.PathLike, passes: Sequence[Mapping[str, Any]], ra
         ax.axhline(roofline, color="#c0392b", linestyle="--", linewidth=1, label=f"roofline {roofline:.0f} tok/s")
     ax.set_ylim(0, top * 1.3 or 1.0)
     ax.set_ylabel("output tokens/s")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="best", framealpha=0.9)
     if ratio:
         title += (f" | engine / {names.get('baseline', 'baseline')}: median {ratio['median']:.2f}x "
                   f"(min {ratio['min']:.2f}, max {ratio['max']:.2f})")
-    ax.set_title(_wrap(title, 70), fontsize=9)
+    ax.set_title(_wrap(title, min(70, int(11 * width))), fontsize=9)    # about 11 characters an inch
     return _save(fig, plt, path)
 
 

@@ -5,7 +5,7 @@ sequence's blocks and attends with a dozen small operators per sequence per laye
 query row per sequence those operators cost more in dispatch than in arithmetic; in bf16 its
 small matmuls are slow besides. `csrc/paged_decode_cpu.c` reads the keys and values in place from
 the paged cache, one sequence per OpenMP work item, scores and softmax in float32. `graft bench
-kernels` times the two on SmolLM2's shapes (docs/benchmarks.md: 1.3-4.5x in bf16).
+kernels` times the two on SmolLM2's shapes (docs/benchmarks.md: 1.5-4.7x in bf16).
 
 The C file is compiled once per machine with the system's C compiler (well under a second) into
 a per-user cache, keyed by the source, the flags and the compiler, and loaded with ctypes; no

@@ -46,8 +46,11 @@ def test_decode_steps_are_bound_by_memory_or_compute_whichever_is_slower():
 def test_rates_are_measured_on_the_models_own_shapes():
     cfg = load_config()
     assert [s for s in roofline.linear_shapes(cfg)] == [(576, 960), (576, 576), (576, 3072), (1536, 576)]
-    rates = roofline.measure(cfg, torch.bfloat16, tokens=128)
+    rates = roofline.measure(cfg, torch.bfloat16, tokens=128, rounds=3)
     assert rates["gemm_gflops"] > 1 and rates["copy_gbps"] > 0.1 and rates["dtype"] == "bfloat16"
+    # the machine's rate is its best: no round of the measurement beats it
+    assert len(rates["gemm_gflops_rounds"]) == 3
+    assert rates["gemm_gflops"] >= max(rates["gemm_gflops_rounds"]) - 0.1
 
 
 def test_a_throughput_run_reports_the_engine_as_a_share_of_the_roofline_it_measured(tmp_path):
