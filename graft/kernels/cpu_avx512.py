@@ -6,9 +6,10 @@ Two kernels in `csrc/attention_avx512bf16.c`, both on the CPU's bf16 dot-product
 - **prefill**: causal attention of one sequence's new tokens over its context, a flash-attention
   loop (online softmax, no score matrix in memory) with keys and values packed into the
   instruction's pair order. Torch's CPU `scaled_dot_product_attention` runs the same loop with its
-  bf16 products through float32 on a CPU without AMX: about 115 GFLOPS here, against 750-950 for
-  the bf16 matmuls of the same prefill, which made attention the largest single cost of a prefill
-  of 1,000-token prompts. The weights are rounded to bf16 for the product with the values, as a
+  bf16 products through float32 on a CPU without AMX: about 0.1 TFLOPS here (`graft bench
+  kernels`), against 955-995 GFLOPS for the bf16 matmuls of the same prefill (the roofline's
+  rate), which made attention the largest single cost of a prefill of 1,000-token prompts. The
+  weights are rounded to bf16 for the product with the values, as a
   bf16 flash attention does.
 - **decode**: one query token per sequence over the paged cache read in place, as the portable
   `cpu_decode` kernel does, but with the dot products on vdpbf16ps and sixteen keys' sums folded
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from graft.kernels.cpu_decode import BASE_FLAGS, NativeKernelError, load_native
+from graft.kernels.cpu_decode import BASE_FLAGS, NativeKernelError, call_paged_decode, load_native
 
 log = logging.getLogger(__name__)
 
@@ -125,19 +126,4 @@ def paged_decode_attention(
     lib = library()
     if lib is None or not supports_decode(q, k_cache, v_cache):
         raise NativeKernelError("the native decode kernel does not take these tensors")
-    b, h, d = q.shape
-    num_blocks, block_size, n_kv, _ = k_cache.shape
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    if len(context_lens) != b or tables.shape[0] != b:
-        raise NativeKernelError(f"shapes disagree: q {tuple(q.shape)}, tables {tuple(tables.shape)}, "
-                                f"{len(context_lens)} lengths")
-    out = torch.empty_like(q)
-    status = lib.graft_paged_decode_bf16_avx512(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        b, h, n_kv, d, block_size, tables.shape[1], num_blocks, scale)
-    if status == -1:
-        raise NativeKernelError("a block table names a block outside the cache, or a length is out of range")
-    if status:
-        raise NativeKernelError("the native decode kernel ran out of memory")
-    return out
+    return call_paged_decode(lib.graft_paged_decode_bf16_avx512, q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -159,6 +159,13 @@ def paged_decode_attention_cpu(
     lib = library()
     if lib is None or not supports(q, k_cache) or v_cache.dtype != q.dtype or not v_cache.is_contiguous():
         raise NativeKernelError("the native decode kernel does not take these tensors")
+    return call_paged_decode(getattr(lib, _FUNCTIONS[q.dtype]), q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def call_paged_decode(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: list[int], scale: float) -> torch.Tensor:
+    """Run a C paged decode entry point (this module's or cpu_avx512's: the same arguments) on
+    tensors its caller has checked; raise NativeKernelError on the status it returns."""
     b, h, d = q.shape
     num_blocks, block_size, n_kv, _ = k_cache.shape
     tables = block_tables.to(torch.int32).contiguous()
@@ -167,9 +174,8 @@ def paged_decode_attention_cpu(
         raise NativeKernelError(f"shapes disagree: q {tuple(q.shape)}, tables {tuple(tables.shape)}, "
                                 f"{len(context_lens)} lengths, {n_kv} KV heads")
     out = torch.empty_like(q)
-    status = getattr(lib, _FUNCTIONS[q.dtype])(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        b, h, n_kv, d, block_size, tables.shape[1], num_blocks, scale)
+    status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                out.data_ptr(), b, h, n_kv, d, block_size, tables.shape[1], num_blocks, scale)
     if status == -1:
         raise NativeKernelError("a block table names a block outside the cache, or a length is out of range")
     if status:

@@ -78,12 +78,11 @@ static void attend_rows(const uint32_t qpair[ROWS][PAIRS], const int limit[ROWS]
                         const uint16_t *vp, float scale, uint16_t *out_row[ROWS]) {
     __m512 acc[ROWS][D / 16], lsum[ROWS];
     float m[ROWS];
-    int min_limit = limit[0], max_limit = limit[0];
+    int max_limit = limit[0];
     for (int r = 0; r < ROWS; r++) {
         for (int e = 0; e < D / 16; e++) acc[r][e] = _mm512_setzero_ps();
         lsum[r] = _mm512_setzero_ps();
         m[r] = -INFINITY;
-        if (limit[r] < min_limit) min_limit = limit[r];
         if (limit[r] > max_limit) max_limit = limit[r];
     }
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -144,7 +143,6 @@ static void attend_rows(const uint32_t qpair[ROWS][PAIRS], const int limit[ROWS]
             }
         }
     }
-    (void)min_limit;
     for (int r = 0; r < ROWS; r++) {
         if (!out_row[r]) continue;
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(lsum[r]));
