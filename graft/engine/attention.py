@@ -209,11 +209,20 @@ def decode_attention_fast(
     return decode_attention_batched(q, k_cache, v_cache, block_tables, context_lens, scale, gather)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, through the native kernel for the few rows of a decode step in bf16 on a CPU
+    with AVX-512 BF16 (graft/kernels/cpu_avx512.py), where torch's matmul cannot keep the weights
+    streaming from memory."""
+    if bias is None and x.device.type == "cpu" and cpu_avx512.supports_linear(x, weight):
+        return cpu_avx512.linear(x, weight)
+    return F.linear(x, weight, bias)
+
+
 def qkv_fused(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One matmul over the layer's concatenated `qkv_weight`; three when the model is not fused."""
     if attn.qkv_weight is None:
         return qkv_separate(attn, x)
-    qkv = F.linear(x, attn.qkv_weight, attn.qkv_bias)
+    qkv = linear(x, attn.qkv_weight, attn.qkv_bias)
     return qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
 
 

@@ -75,6 +75,8 @@ class ModelRunner:
         if config.paths == "fast":
             model.fuse_qkv(pin=True)   # the fast `linear.qkv` is one matmul over these
             model.fuse_mlp()
+            if model.use_native_layers():
+                log.info("native CPU layers on (RMSNorm, RoPE, SiLU-and-mul, small-row linear)")
 
     # inputs
     def prepare(self, batch: ScheduledBatch) -> PreparedStep:

@@ -36,7 +36,7 @@ from graft.kernels.cpu_decode import BASE_FLAGS, NativeKernelError, call_paged_d
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "attention_avx512bf16.c"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_avx512bf16.c"
 HEAD_DIM = 64
 MAX_GROUP = 16          # query heads per KV head the decode kernel takes (GROUP_MAX in the C file)
 # what /proc/cpuinfo must list, and the flags that let the compiler emit it
@@ -53,7 +53,13 @@ def _bind(path: Path) -> ctypes.CDLL:
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.graft_prefill_bf16.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i, i, i, i, i, ctypes.c_float]
     lib.graft_paged_decode_bf16_avx512.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i64, ctypes.c_float]
-    lib.graft_prefill_bf16.restype = lib.graft_paged_decode_bf16_avx512.restype = i
+    lib.graft_rms_norm_bf16.argtypes = [p, i64, p, i64, p, p, i64, i, i, ctypes.c_float]
+    lib.graft_rope_bf16.argtypes = [p, i64, p, p, i64, p, p, p, i64, i64, i, i, i, i]
+    lib.graft_silu_mul_bf16.argtypes = [p, i64, p, i, i]
+    lib.graft_linear_bf16.argtypes = [p, i64, p, p, i, i, i]
+    for fn in (lib.graft_prefill_bf16, lib.graft_paged_decode_bf16_avx512, lib.graft_rms_norm_bf16,
+               lib.graft_rope_bf16, lib.graft_silu_mul_bf16, lib.graft_linear_bf16):
+        fn.restype = i
     return lib
 
 
@@ -127,3 +133,103 @@ def paged_decode_attention(
     if lib is None or not supports_decode(q, k_cache, v_cache):
         raise NativeKernelError("the native decode kernel does not take these tensors")
     return call_paged_decode(lib.graft_paged_decode_bf16_avx512, q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+# ---- the layer around attention ----
+#
+# Each function below takes bf16 CPU tensors whose last dimension is contiguous and returns what
+# the torch expression in its docstring returns, within a bf16 rounding. Callers check the
+# matching `supports_*` first (graft.engine.models.llama falls back to the torch expression).
+
+
+def _rows_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1
+               for t in tensors)
+
+
+def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_rows_ok(x) and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            and weight.shape == (x.shape[1],) and x.shape[1] % 16 == 0 and available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight * (x * rsqrt(mean(x^2) + eps)).to(bf16)` over rows x [T, D], statistics in float32.
+
+    With `delta` [T, D], first `x += delta` in place (the residual add before the norm), so the
+    caller's residual stream moves on without a separate add."""
+    lib = library()
+    if lib is None or not supports_rms_norm(x, weight) or (delta is not None and (
+            not _rows_ok(delta) or delta.shape != x.shape)):
+        raise NativeKernelError("the native RMSNorm does not take these tensors")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    status = lib.graft_rms_norm_bf16(
+        None if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
+        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], eps)
+    if status:
+        raise NativeKernelError(f"the native RMSNorm refused x {tuple(x.shape)}")
+    return out
+
+
+def supports_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
+    """q [T, Hq, d] and k [T, Hk, d] with each head contiguous, d a multiple of 32, float32 tables."""
+    return (q.device.type == "cpu" and q.dtype == k.dtype == torch.bfloat16 and q.dim() == k.dim() == 3
+            and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] == cos.shape[1] and q.shape[2] % 32 == 0
+            and q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == q.shape[2]
+            and cos.dtype == torch.float32 and cos.is_contiguous() and available())
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> torch.Tensor:
+    """Half-rotation RoPE at `positions` [T] (int64) from the float32 tables cos, sin
+    [max_position, d]: returns the rotated queries [T, Hq, d], contiguous, and rotates k in place."""
+    lib = library()
+    if (lib is None or not supports_rope(q, k, cos) or sin.shape != cos.shape or not sin.is_contiguous()
+            or sin.dtype != torch.float32 or positions.dtype != torch.int64 or positions.shape != (q.shape[0],)):
+        raise NativeKernelError("the native RoPE does not take these tensors")
+    positions = positions.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    status = lib.graft_rope_bf16(q.data_ptr(), q.stride(0), out.data_ptr(), k.data_ptr(), k.stride(0),
+                                 positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.shape[0],
+                                 q.shape[0], q.shape[1], k.shape[1], q.shape[2])
+    if status:
+        raise NativeKernelError(f"a position is outside the RoPE tables ({cos.shape[0]} positions)")
+    return out
+
+
+def supports_silu_mul(gate_up: torch.Tensor) -> bool:
+    return _rows_ok(gate_up) and gate_up.shape[1] % 32 == 0 and available()
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for gate_up [T, 2 I] = [gate | up]; returns [T, I]."""
+    lib = library()
+    if lib is None or not supports_silu_mul(gate_up):
+        raise NativeKernelError("the native SiLU-and-mul does not take these tensors")
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    if lib.graft_silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter):
+        raise NativeKernelError(f"the native SiLU-and-mul refused {tuple(gate_up.shape)}")
+    return out
+
+
+LINEAR_MAX_ROWS = 32
+"""Most rows `linear` is chosen for: up to here it beats torch's bf16 matmul (`graft bench
+kernels`), beyond it the matmul's blocking wins."""
+
+
+def supports_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_rows_ok(x) and 1 <= x.shape[0] <= LINEAR_MAX_ROWS and weight.dtype == torch.bfloat16
+            and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] == x.shape[1]
+            and x.shape[1] % 32 == 0 and weight.shape[0] % 8 == 0 and available())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` for the few rows of a decode step: x [M, K], weight [N, K] -> [M, N]."""
+    lib = library()
+    if lib is None or not supports_linear(x, weight):
+        raise NativeKernelError("the native linear layer does not take these tensors")
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    if lib.graft_linear_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
+                             x.shape[0], weight.shape[0], x.shape[1]):
+        raise NativeKernelError(f"the native linear layer refused x {tuple(x.shape)}, w {tuple(weight.shape)}")
+    return out

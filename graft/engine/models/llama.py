@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graft.engine.attention import linear
 from graft.engine.context import StepContext
+from graft.kernels import cpu_avx512
 
 if TYPE_CHECKING:
     from graft.engine.loader import ModelConfig
@@ -132,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._qkv_pinned = False
+        self.native_layers = False
 
     @classmethod
     def from_state_dict(
@@ -175,6 +178,25 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.mlp.fuse()
 
+    def use_native_layers(self) -> bool:
+        """Run the work around attention and the matmuls through graft/kernels/cpu_avx512.py
+        where it can: bf16 weights on a CPU with AVX-512 BF16, gate and up fused, sizes the
+        kernels take. Returns whether it does.
+
+        A decode step of this model is some 50 small torch operators per layer (the norms, the
+        residual adds, RoPE, SiLU-and-mul) around five matmuls; their dispatch costs more than
+        their arithmetic, and torch's bf16 matmul at a decode step's few rows reads the weights
+        at well under the memory's speed. The native forward makes each layer eight calls: the
+        norm fused with the residual add before it, RoPE on queries and keys at once, SiLU-and-mul,
+        and the small-row linear kernel for the projections. Same results within bf16 rounding.
+        """
+        cfg, weight = self.config, self.model.embed_tokens.weight
+        self.native_layers = (
+            weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_avx512.available()
+            and cfg.hidden_size % 16 == 0 and cfg.head_dim % 32 == 0 and cfg.intermediate_size % 16 == 0
+            and all(layer.mlp.gate_up_weight is not None for layer in self.layers))
+        return self.native_layers
+
     @torch.inference_mode()
     def forward(
         self,
@@ -186,6 +208,8 @@ class LlamaForCausalLM(nn.Module):
         """Logits (fp32) of the rows `ctx.logits_indices` of the flat batch `input_ids` [T]."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        if self.native_layers:
+            return self._forward_native(input_ids, ctx, kv_caches, slots)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(ctx.positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -195,6 +219,54 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.norm(x[ctx.logits_indices])
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return F.linear(x, head).float()
+
+    def _forward_native(
+        self,
+        input_ids: torch.Tensor,
+        ctx: StepContext,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        slots: SlotTable,
+    ) -> torch.Tensor:
+        """`forward` through the native kernels (see `use_native_layers`); x is the residual
+        stream, added to in place by each norm that follows an attention or MLP output."""
+        x = self.model.embed_tokens(input_ids)
+        layers = self.layers
+        h = cpu_avx512.rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches)):
+            a = self._attention_native(layer.self_attn, h, ctx, k_cache, v_cache, slots)
+            norm = layer.post_attention_layernorm
+            h = cpu_avx512.rms_norm(x, norm.weight, norm.eps, delta=a)
+            mlp = layer.mlp
+            m = linear(cpu_avx512.silu_mul(linear(h, mlp.gate_up_weight)), mlp.down_proj.weight)
+            if i + 1 < len(layers):
+                norm = layers[i + 1].input_layernorm
+                h = cpu_avx512.rms_norm(x, norm.weight, norm.eps, delta=m)
+        idx = ctx.logits_indices
+        x = cpu_avx512.rms_norm(x[idx], self.model.norm.weight, self.model.norm.eps, delta=m[idx])
+        head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return linear(x, head).float()
+
+    def _attention_native(
+        self,
+        attn: Attention,
+        x: torch.Tensor,
+        ctx: StepContext,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: SlotTable,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = slots["linear.qkv"](attn, x)
+        q = q.view(T, attn.num_heads, attn.head_dim)
+        k = k.view(T, attn.num_kv_heads, attn.head_dim)
+        rot = self.rotary_emb
+        if cpu_avx512.supports_rope(q, k, rot.cos):
+            q = cpu_avx512.rope(q, k, ctx.positions, rot.cos, rot.sin)     # k rotated in place
+        else:   # a patched `linear.qkv` handed over another layout
+            cos, sin = rot(ctx.positions, x.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self._attend(attn, q, k, v.view(T, attn.num_kv_heads, attn.head_dim), ctx, k_cache, v_cache, slots)
+        return linear(out.view(T, attn.q_size), attn.o_proj.weight, attn.o_proj.bias)
 
     def _attention(
         self,
@@ -212,6 +284,23 @@ class LlamaForCausalLM(nn.Module):
         q = apply_rope(q.view(T, attn.num_heads, attn.head_dim), cos, sin)
         k = apply_rope(k.view(T, attn.num_kv_heads, attn.head_dim), cos, sin)
         v = v.view(T, attn.num_kv_heads, attn.head_dim)
+        out = self._attend(attn, q, k, v, ctx, k_cache, v_cache, slots)
+        return attn.o_proj(out.view(T, attn.q_size))
+
+    def _attend(
+        self,
+        attn: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: StepContext,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: SlotTable,
+    ) -> torch.Tensor:
+        """Store this step's keys and values, then attend: each prefill over its context, all
+        decodes at once. q [T, H, d], k and v [T, n_kv, d] -> [T, H, d]."""
+        T = q.shape[0]
         slots["kv.store"](k, v, k_cache, v_cache, ctx.slot_mapping)
 
         out = torch.empty_like(q)
@@ -236,4 +325,4 @@ class LlamaForCausalLM(nn.Module):
                 attn.scale,
                 slots["kv.gather"],
             )
-        return attn.o_proj(out.view(T, attn.q_size))
+        return out

@@ -55,6 +55,18 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_maskz_mov_ps(keep, y);
 }
 
+static inline __m512 load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline void store16(uint16_t *p, __m512 x) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+static inline __m512 round16(__m512 x) {  /* x rounded to bf16 and back, as a bf16 tensor holds it */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
 static inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
@@ -240,36 +252,54 @@ static inline __m512 sum16(__m512 v[16]) {
     return fold(c[0], c[1], lo1, hi1);
 }
 
+#define PREFETCH_AHEAD 32  /* tokens */
+
+/* Ask for the cache lines of KV heads h0..h1 - 1 of tokens t0..t0 + 15 (those below n): the
+ * tokens of a sequence lie in blocks scattered over the cache, which the hardware prefetchers
+ * cannot follow from one block to the next. */
+static inline void prefetch_tile(const uint16_t *cache, const int32_t *table, int t0, int n, int block_size,
+                                 int64_t row, int h0, int h1) {
+    for (int t = t0; t < t0 + 16 && t < n; t++) {
+        const char *p = (const char *)(cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row + h0 * D);
+        for (int64_t off = 0; off < (int64_t)(h1 - h0) * D * 2; off += 64)
+            __asm__ volatile("prefetcht0 %0" : : "m"(*(p + off)));  /* GCC 12 drops the builtin here */
+    }
+}
+
+/* Query heads of KV heads h0..h1 - 1 of one sequence. The keys and values are read in tiles of
+ * sixteen tokens, all the item's KV heads of a token together, so each cached row is read whole
+ * and once: reading one head's 128 bytes out of each token's row, as one item per KV head did,
+ * ran at a third of the memory's speed once the cache no longer fit the last-level cache.
+ * `scores` holds (h1 - h0) * g * padded floats, `acc` (h1 - h0) * g * D. */
 static int decode_item(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
-                       uint16_t *out, int n, int h, int g, int n_kv, int block_size, int64_t num_blocks,
-                       float scale, float *restrict scores) {
+                       uint16_t *out, int n, int h0, int h1, int g, int n_kv, int block_size, int64_t num_blocks,
+                       float scale, float *restrict scores, float *restrict acc) {
     const int64_t row = (int64_t)n_kv * D;  /* elements from one cached token to the next */
     for (int t = 0; t < n; t += block_size)
         if (table[t / block_size] < 0 || table[t / block_size] >= num_blocks) return -1;
-    __m512i qv[GROUP_MAX][2];
-    for (int j = 0; j < g; j++) {
-        qv[j][0] = _mm512_loadu_si512(q + (h * g + j) * D);
-        qv[j][1] = _mm512_loadu_si512(q + (h * g + j) * D + 32);
-    }
-    const int padded = (n + 15) & ~15;
+    const int padded = (n + 15) & ~15, heads = (h1 - h0) * g;
+    const uint16_t *rows[16];
     for (int t0 = 0; t0 < padded; t0 += 16) {
-        const uint16_t *rows[16];
         for (int t = 0; t < 16; t++) {
             const int tok = t0 + t < n ? t0 + t : n - 1;  /* past the end: a repeat, masked below */
-            rows[t] = k_cache + ((int64_t)table[tok / block_size] * block_size + tok % block_size) * row + h * D;
+            rows[t] = k_cache + ((int64_t)table[tok / block_size] * block_size + tok % block_size) * row;
         }
-        for (int j = 0; j < g; j++) {
-            __m512 part[16];
-            for (int t = 0; t < 16; t++) {
-                __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[j][0], (__m512bh)_mm512_loadu_si512(rows[t]));
-                part[t] = _mm512_dpbf16_ps(s, (__m512bh)qv[j][1], (__m512bh)_mm512_loadu_si512(rows[t] + 32));
+        prefetch_tile(k_cache, table, t0 + PREFETCH_AHEAD, n, block_size, row, h0, h1);
+        for (int h = h0; h < h1; h++)
+            for (int j = 0; j < g; j++) {
+                const uint16_t *qh = q + (h * g + j) * D;
+                const __m512i q0 = _mm512_loadu_si512(qh), q1 = _mm512_loadu_si512(qh + 32);
+                __m512 part[16];
+                for (int t = 0; t < 16; t++) {
+                    const uint16_t *kr = rows[t] + h * D;
+                    part[t] = dot(dot(_mm512_setzero_ps(), q0, _mm512_loadu_si512(kr)), q1, _mm512_loadu_si512(kr + 32));
+                }
+                _mm512_storeu_ps(scores + (int64_t)((h - h0) * g + j) * padded + t0,
+                                 _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
             }
-            _mm512_storeu_ps(scores + (int64_t)j * padded + t0, _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
-        }
     }
-    float inv[GROUP_MAX];
-    for (int j = 0; j < g; j++) {
-        float *restrict s = scores + (int64_t)j * padded;
+    for (int i = 0; i < heads; i++) {
+        float *restrict s = scores + (int64_t)i * padded;
         for (int t = n; t < padded; t++) s[t] = -INFINITY;
         __m512 m = _mm512_set1_ps(-INFINITY);
         for (int t = 0; t < padded; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
@@ -280,27 +310,39 @@ static int decode_item(const uint16_t *q, const uint16_t *k_cache, const uint16_
             _mm512_storeu_ps(s + t, p);
             total = _mm512_add_ps(total, p);
         }
-        inv[j] = 1.f / _mm512_reduce_add_ps(total);
+        /* the weights carry the normalisation, so the sums below need no division */
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+        for (int t = 0; t < padded; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
     }
-    __m512 acc[GROUP_MAX][4];
-    for (int j = 0; j < g; j++)
-        for (int e = 0; e < 4; e++) acc[j][e] = _mm512_setzero_ps();
-    for (int t = 0; t < n; t++) {
-        const uint16_t *vr = v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row + h * D;
-        __m512 vf[4];
-        for (int e = 0; e < 4; e++)
-            vf[e] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * e))), 16));
-        for (int j = 0; j < g; j++) {
-            const __m512 p = _mm512_set1_ps(scores[(int64_t)j * padded + t]);
-            for (int e = 0; e < 4; e++) acc[j][e] = _mm512_fmadd_ps(p, vf[e], acc[j][e]);
+    memset(acc, 0, sizeof(float) * heads * D);
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const int tn = n - t0 < 16 ? n - t0 : 16;
+        for (int t = 0; t < tn; t++) {
+            const int tok = t0 + t;
+            rows[t] = v_cache + ((int64_t)table[tok / block_size] * block_size + tok % block_size) * row;
+        }
+        prefetch_tile(v_cache, table, t0 + PREFETCH_AHEAD, n, block_size, row, h0, h1);
+        for (int h = h0; h < h1; h++) {
+            __m512 a[GROUP_MAX][4];
+            float *ah = acc + (int64_t)(h - h0) * g * D;
+            for (int j = 0; j < g; j++)
+                for (int e = 0; e < 4; e++) a[j][e] = _mm512_loadu_ps(ah + j * D + 16 * e);
+            for (int t = 0; t < tn; t++) {
+                const uint16_t *vr = rows[t] + h * D;
+                __m512 vf[4];
+                for (int e = 0; e < 4; e++) vf[e] = load16(vr + 16 * e);
+                for (int j = 0; j < g; j++) {
+                    const __m512 p = _mm512_set1_ps(scores[(int64_t)((h - h0) * g + j) * padded + t0 + t]);
+                    for (int e = 0; e < 4; e++) a[j][e] = _mm512_fmadd_ps(p, vf[e], a[j][e]);
+                }
+            }
+            for (int j = 0; j < g; j++)
+                for (int e = 0; e < 4; e++) _mm512_storeu_ps(ah + j * D + 16 * e, a[j][e]);
         }
     }
-    for (int j = 0; j < g; j++) {
-        const __m512 w = _mm512_set1_ps(inv[j]);
+    for (int i = 0; i < heads; i++)
         for (int e = 0; e < 4; e++)
-            _mm256_storeu_si256((__m256i *)(out + (h * g + j) * D + 16 * e),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[j][e], w)));
-    }
+            store16(out + (h0 * g + i) * D + 16 * e, _mm512_loadu_ps(acc + (int64_t)i * D + 16 * e));
     return 0;
 }
 
@@ -312,30 +354,167 @@ int graft_paged_decode_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, c
     const int g = H / n_kv;
     for (int b = 0; b < B; b++)
         if (context_lens[b] < 1 || context_lens[b] > max_blocks * block_size) return -1;
+    /* a sequence per item, its rows read whole; with too few sequences to keep every thread busy,
+     * a KV head per item */
+    const int split = B < 2 * omp_get_max_threads() ? n_kv : 1, per = n_kv / split;
     int status = 0;
 #pragma omp parallel
     {
-        float *scores = NULL;
-        int room = 0;
+        float *scratch = NULL;
+        int64_t room = 0;
 #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < B * n_kv; item++) {
-            const int b = item / n_kv, h = item % n_kv, n = context_lens[b], padded = (n + 15) & ~15;
-            if (room < g * padded) {
-                free(scores);
-                room = g * padded;
-                scores = malloc(sizeof(float) * room);
+        for (int item = 0; item < B * split; item++) {
+            const int b = item / split, h0 = item % split * per, n = context_lens[b];
+            const int64_t need = (int64_t)per * g * (((n + 15) & ~15) + D);
+            if (room < need) {
+                free(scratch);
+                room = need;
+                scratch = malloc(sizeof(float) * room);
             }
-            const int rc = scores ? decode_item(q + (int64_t)b * H * D, k_cache, v_cache,
-                                                block_tables + (int64_t)b * max_blocks, out + (int64_t)b * H * D,
-                                                n, h, g, n_kv, block_size, num_blocks, scale, scores)
-                                  : -2;
-            if (!scores) room = 0;
+            const int rc = scratch ? decode_item(q + (int64_t)b * H * D, k_cache, v_cache,
+                                                 block_tables + (int64_t)b * max_blocks, out + (int64_t)b * H * D,
+                                                 n, h0, h0 + per, g, n_kv, block_size, num_blocks, scale,
+                                                 scratch + (int64_t)per * g * D, scratch)
+                                   : -2;
+            if (!scratch) room = 0;
             if (rc) {
 #pragma omp atomic write
                 status = rc;
             }
         }
-        free(scores);
+        free(scratch);
     }
     return status;
+}
+
+/* ---- the layer around attention: RMSNorm with the residual add, RoPE, SiLU-and-mul, and the
+ * linear layers of a decode step ----
+ *
+ * Each replaces several torch operators of every layer of every step with one call, and rounds
+ * where torch's bf16 operators round, so its results are torch's within a bf16 rounding (the
+ * sums' order and the exponential's last bits differ). Tensors are bf16 unless said otherwise,
+ * rows carry their own stride in elements, the last dimension is contiguous. Each returns 0, or -1
+ * for shapes it does not take (nothing is read or written then). Rows are split over the OpenMP
+ * threads when there are enough of them to pay for waking the threads. */
+
+#define PARALLEL_ELEMENTS 65536
+
+/* RMSNorm over rows of `dim` (a multiple of 16): out = bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w),
+ * statistics in float32. With `delta`, first res = bf16(res + delta) in place and x = res (the
+ * residual stream's add fused into the norm that follows it); without, x = res, left as it is. */
+int graft_rms_norm_bf16(const uint16_t *delta, int64_t delta_stride, uint16_t *res, int64_t res_stride,
+                        const uint16_t *w, uint16_t *out, int64_t out_stride, int rows, int dim, float eps) {
+    if (dim <= 0 || dim % 16 || rows < 0) return -1;
+#pragma omp parallel for schedule(static) if ((int64_t)rows * dim >= PARALLEL_ELEMENTS)
+    for (int r = 0; r < rows; r++) {
+        uint16_t *x = res + (int64_t)r * res_stride;
+        __m512 ss = _mm512_setzero_ps();
+        for (int i = 0; i < dim; i += 16) {
+            __m512 v = load16(x + i);
+            if (delta) {
+                v = round16(_mm512_add_ps(v, load16(delta + (int64_t)r * delta_stride + i)));
+                store16(x + i, v);
+            }
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const __m512 scale = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)dim + eps));
+        uint16_t *y = out + (int64_t)r * out_stride;
+        for (int i = 0; i < dim; i += 16)
+            store16(y + i, _mm512_mul_ps(round16(_mm512_mul_ps(load16(x + i), scale)), load16(w + i)));
+    }
+    return 0;
+}
+
+/* Half-rotation RoPE for the queries and keys of `rows` tokens: q [rows, hq, d] (row stride
+ * q_stride) into q_out [rows, hq, d] contiguous, and k [rows, hk, d] (row stride k_stride) in
+ * place. cos and sin are float32 [max_position, d] tables (row stride table_stride); token t sits
+ * at position pos[t], which must be below max_position. For i < d/2:
+ * out[i] = x[i] cos[i] - x[i + d/2] sin[i], out[i + d/2] = x[i + d/2] cos[i + d/2] + x[i] sin[i + d/2],
+ * in float32, rounded once. d is a multiple of 32. */
+static inline void rope_head(const uint16_t *x, uint16_t *y, const float *c, const float *s, int half) {
+    for (int i = 0; i < half; i += 16) {
+        const __m512 a = load16(x + i), b = load16(x + half + i);
+        const __m512 ya = _mm512_fmsub_ps(a, _mm512_loadu_ps(c + i), _mm512_mul_ps(b, _mm512_loadu_ps(s + i)));
+        const __m512 yb = _mm512_fmadd_ps(b, _mm512_loadu_ps(c + half + i), _mm512_mul_ps(a, _mm512_loadu_ps(s + half + i)));
+        store16(y + i, ya);
+        store16(y + half + i, yb);
+    }
+}
+
+int graft_rope_bf16(const uint16_t *q, int64_t q_stride, uint16_t *q_out, uint16_t *k, int64_t k_stride,
+                    const int64_t *pos, const float *cos, const float *sin, int64_t table_stride,
+                    int64_t max_position, int rows, int hq, int hk, int d) {
+    if (d <= 0 || d % 32 || rows < 0 || hq < 0 || hk < 0) return -1;
+    for (int t = 0; t < rows; t++)
+        if (pos[t] < 0 || pos[t] >= max_position) return -1;
+    const int half = d / 2;
+#pragma omp parallel for schedule(static) if ((int64_t)rows * (hq + hk) * d >= PARALLEL_ELEMENTS)
+    for (int t = 0; t < rows; t++) {
+        const float *c = cos + pos[t] * table_stride, *s = sin + pos[t] * table_stride;
+        for (int h = 0; h < hq; h++)
+            rope_head(q + t * q_stride + h * d, q_out + ((int64_t)t * hq + h) * d, c, s, half);
+        for (int h = 0; h < hk; h++)
+            rope_head(k + t * k_stride + h * d, k + t * k_stride + h * d, c, s, half);
+    }
+    return 0;
+}
+
+/* SwiGLU's middle: gu [rows, 2 * inter] holds gate then up; out [rows, inter] contiguous,
+ * out = bf16(bf16(silu(gate)) * up), silu in float32. inter is a multiple of 16. */
+int graft_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, uint16_t *out, int rows, int inter) {
+    if (inter <= 0 || inter % 16 || rows < 0) return -1;
+#pragma omp parallel for schedule(static) if ((int64_t)rows * inter >= PARALLEL_ELEMENTS)
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = gu + (int64_t)r * gu_stride, *u = g + inter;
+        uint16_t *y = out + (int64_t)r * inter;
+        for (int i = 0; i < inter; i += 16) {
+            const __m512 x = load16(g + i);
+            /* sigmoid from e^-|x|, which never overflows: 1 / (1 + e) for x >= 0, e / (1 + e) below */
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+            const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+            const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(_mm512_set1_ps(1.f), neg, e), den);
+            store16(y + i, _mm512_mul_ps(round16(_mm512_mul_ps(x, sig)), load16(u + i)));
+        }
+    }
+    return 0;
+}
+
+/* y [m, n] contiguous = x [m, k] (row stride x_stride) times w [n, k] contiguous, transposed: a
+ * linear layer for the few rows of a decode step, where a general matmul cannot keep the weights
+ * streaming (torch's bf16 matmul reads them at 15-20 GB/s at 16 rows here). Each thread takes
+ * its share of eight-row slabs of w; a slab is read from memory once, for the first two rows of
+ * x, and from the first-level cache for the others. Two rows of x against eight of w make sixteen
+ * float32 accumulators of vdpbf16ps, which `sum16` folds into one vector of sixteen outputs.
+ * k is a multiple of 32, n of 8. */
+int graft_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *y, int m, int n, int k) {
+    if (m < 0 || n <= 0 || n % 8 || k <= 0 || k % 32) return -1;
+    const int slabs = n / 8, pairs = (m + 1) / 2;
+#pragma omp parallel for schedule(static) if (slabs >= 16)
+    for (int sl = 0; sl < slabs; sl++) {
+        const uint16_t *ws = w + (int64_t)sl * 8 * k;
+        /* the next slab is fetched while this one is computed: with the rows of x from the cache,
+         * the slab's arrival from memory is otherwise not overlapped with any arithmetic */
+        const uint16_t *next = sl + 1 < slabs ? ws + 8 * k : NULL;
+        for (int r = 0; r < m; r += 2) {
+            const int r1 = r + 1 < m ? r + 1 : r;      /* an odd last row pairs with itself */
+            const uint16_t *x0 = x + r * x_stride, *x1 = x + r1 * x_stride;
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+            for (int i = 0; i < k; i += 32) {
+                const __m512i a0 = _mm512_loadu_si512(x0 + i), a1 = _mm512_loadu_si512(x1 + i);
+                if (next)  /* row pair p of x fetches rows p, p + pairs, ... of the next slab */
+                    for (int j = r / 2; j < 8; j += pairs) _mm_prefetch((const char *)(next + (int64_t)j * k + i), _MM_HINT_T0);
+                for (int j = 0; j < 8; j++) {
+                    const __m512i b = _mm512_loadu_si512(ws + (int64_t)j * k + i);
+                    acc[j] = dot(acc[j], a0, b);
+                    acc[8 + j] = dot(acc[8 + j], a1, b);
+                }
+            }
+            const __m256i out = (__m256i)_mm512_cvtneps_pbh(sum16(acc));
+            _mm_storeu_si128((__m128i *)(y + (int64_t)r * n + sl * 8), _mm256_castsi256_si128(out));
+            if (r1 != r) _mm_storeu_si128((__m128i *)(y + (int64_t)r1 * n + sl * 8), _mm256_extracti128_si256(out, 1));
+        }
+    }
+    return 0;
 }
