@@ -14,7 +14,9 @@ figures. On a CPU the suite also measures, for real, the C attention kernels the
 host clock: the portable decode attention (`decode.cpu`, graft/kernels/cpu_decode.py, bf16 and
 fp32) and the AVX-512 BF16 one (`decode.avx512`, graft/kernels/cpu_avx512.py) against their torch
 twin `decode_attention_varlen`, and the AVX-512 BF16 prefill attention (`prefill.cpu`) against
-`prefill_attention_fused` (torch's SDPA). Their caches are warm (the same tensors call after
+`prefill_attention_fused` (torch's SDPA); and the AVX-512 BF16 kernels around attention
+(`linear.avx512` at a decode step's rows, `rms_norm.avx512`, `rope.avx512`, `silu_mul.avx512`)
+against the torch expressions they replace. The attention kernels' caches are warm (the same tensors call after
 call), so the decode ratios are smaller than inside a decode step, where every layer's weights
 evict the cache between calls.
 """
@@ -42,7 +44,7 @@ Timer = Callable[[Callable[[], object], float], float]
 @dataclass(slots=True)
 class Case:
     kernel: str           # "decode", "prefill.paged", "prefill.slot", "kv.store", "decode.cpu",
-                          # "decode.avx512", "prefill.cpu"
+                          # "decode.avx512", "prefill.cpu", and the LAYER_KERNELS
     dtype: str
     batch: int            # sequences; for kv.store, tokens stored
     context: int          # cached tokens per sequence before this step
@@ -160,6 +162,8 @@ def prepare(case: Case, device: torch.device) -> Prepared:
         got = lambda: prefill_attention(q, k, v, SCALE)
         want = lambda: prefill_attention_fused(q, k, v, SCALE)
         return Prepared(got, want, lambda: (got(), want()), _causal_flops(prior, new), "TFLOP/s")
+    if case.kernel in LAYER_KERNELS:
+        return _prepare_layer(case)
     if case.kernel == "prefill.paged":
         k_cache, v_cache, tables = paged_cache(b, total, dtype, device)
         q = torch.randn(b * new, N_HEADS, HEAD_DIM, dtype=dtype, device=device)
@@ -191,6 +195,72 @@ def prepare(case: Case, device: torch.device) -> Prepared:
 
         return Prepared(got, want, answers, 2 * 2 * b * N_KV * HEAD_DIM * size, "GB/s")
     raise ValueError(f"unknown kernel {case.kernel!r}")
+
+
+LAYER_KERNELS = ("linear.avx512", "rms_norm.avx512", "rope.avx512", "silu_mul.avx512")
+LAYER_BYTES = 96 << 20
+"""Each linear case spreads its calls over this many bytes of weights, more than a last-level
+cache holds, as a decode step's thirty layers do: one layer's weights called again and again
+would stay in the cache and show a bandwidth no step sees."""
+
+
+def _prepare_layer(case: Case) -> Prepared:
+    """The AVX-512 BF16 kernels around attention (graft/kernels/cpu_avx512.py) against the torch
+    expressions they replace in the model, bf16. `linear.avx512`: batch rows, context output
+    features, new input features, GB/s of weights read. The others: batch rows of SmolLM2's sizes
+    (hidden 576, intermediate 1,536), GB/s of tensors read and written."""
+    import torch.nn.functional as F
+
+    from graft.engine.models.llama import apply_rope
+    from graft.kernels import cpu_avx512
+    from graft.kernels.cpu_decode import NativeKernelError
+
+    if not cpu_avx512.available():
+        raise NativeKernelError("the AVX-512 BF16 kernels are not available here (see the log)")
+    bf16, rows = torch.bfloat16, case.batch
+    if case.kernel == "linear.avx512":
+        n, k = case.context, case.new_tokens
+        copies = max(1, LAYER_BYTES // (2 * n * k))
+        weights = [torch.randn(n, k).mul_(0.05).to(bf16) for _ in range(copies)]
+        x = torch.randn(rows, k, dtype=bf16)
+        got = lambda: [cpu_avx512.linear(x, w) for w in weights]
+        want = lambda: [F.linear(x, w) for w in weights]
+        return Prepared(got, want, lambda: (got()[0], want()[0]), 2.0 * n * k * copies, "GB/s")
+    hidden, inter, n_kv = N_HEADS * HEAD_DIM, 1536, N_KV
+    if case.kernel == "rms_norm.avx512":
+        x, delta = torch.randn(rows, hidden, dtype=bf16), torch.randn(rows, hidden, dtype=bf16)
+        w = torch.randn(hidden, dtype=bf16)
+
+        def twin():
+            h = (x + delta).float()
+            return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(bf16)
+
+        got = lambda: cpu_avx512.rms_norm(x.clone(), w, 1e-5, delta=delta)
+        return Prepared(got, twin, lambda: (got(), twin()), 2.0 * rows * hidden * 4, "GB/s")
+    if case.kernel == "rope.avx512":
+        qkv = torch.randn(rows, hidden + 2 * n_kv * HEAD_DIM, dtype=bf16)
+        q, k, _ = (t.view(rows, -1, HEAD_DIM) for t in qkv.split([hidden, n_kv * HEAD_DIM, n_kv * HEAD_DIM], -1))
+        pos = torch.arange(rows, dtype=torch.long)
+        inv = 1.0 / (100000.0 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+        emb = torch.outer(torch.arange(max(rows, 2048)).float(), inv).repeat(1, 2)
+        cos, sin = emb.cos(), emb.sin()
+
+        def twin():
+            c, s = cos[pos].to(bf16)[:, None], sin[pos].to(bf16)[:, None]
+            return apply_rope(q, c, s), apply_rope(k, c, s)
+
+        # the kernel rotates k in place: each call rotates a copy, as the twin reads the original
+        got = lambda: cpu_avx512.rope(q, k.clone(), pos, cos, sin)
+        answers = lambda: (got(), twin()[0])
+        return Prepared(got, twin, answers, 2.0 * rows * (N_HEADS + n_kv) * HEAD_DIM * 2, "GB/s")
+    gate_up = torch.randn(rows, 2 * inter, dtype=bf16)
+
+    def twin():
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    got = lambda: cpu_avx512.silu_mul(gate_up)
+    return Prepared(got, twin, lambda: (got(), twin()), 2.0 * rows * inter * 3, "GB/s")
 
 
 def _causal_flops(prior: int, new: int) -> float:
@@ -257,8 +327,12 @@ def render(results: list[Result]) -> None:
         rows = [r for r in results if r.kernel == kernel]
         unit = next((r.unit for r in rows if r.unit), "")
         what = "C" if kernel.endswith((".cpu", ".avx512")) else "Triton"
-        table = Table(title=f"{kernel}: {what} vs torch twin ({N_HEADS} heads / {N_KV} KV heads / dim {HEAD_DIM})",
-                      box=box.SIMPLE_HEAD)
+        shape = f"{N_HEADS} heads / {N_KV} KV heads / dim {HEAD_DIM}"
+        if kernel == "linear.avx512":
+            shape = "batch: rows, context: out features, new: in features"
+        elif kernel in LAYER_KERNELS:
+            shape = "batch: rows of SmolLM2's hidden 576 / intermediate 1,536"
+        table = Table(title=f"{kernel}: {what} vs torch twin ({shape})", box=box.SIMPLE_HEAD)
         for column in ("dtype", "batch", "context", "new", f"{what.lower()} ms", "torch ms", "speedup", unit,
                        "max err", ""):
             table.add_column(column, justify="right")
@@ -305,9 +379,13 @@ def cpu_cases(quick: bool) -> list[Case]:
     batches = [1, 16] if quick else [1, 4, 16, 32]
     contexts = [512, 2048] if quick else [256, 1024, 2048, 4096]
     chunks = [(0, 512), (512, 512)] if quick else [(0, 256), (0, 1024), (1024, 1024), (0, 2048), (3072, 1024)]
+    rows = [1, 16] if quick else [1, 4, 16, 32]
+    shapes = [(960, 576), (3072, 576)] if quick else [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
     return ([Case("decode.cpu", dtype, b, c - 1, 1) for dtype in ("bf16", "fp32") for b in batches for c in contexts]
             + [Case("decode.avx512", "bf16", b, c - 1, 1) for b in batches for c in contexts]
-            + [Case("prefill.cpu", "bf16", 1, prior, new) for prior, new in chunks])
+            + [Case("prefill.cpu", "bf16", 1, prior, new) for prior, new in chunks]
+            + [Case("linear.avx512", "bf16", m, n, k) for m in rows for n, k in shapes]
+            + [Case(name, "bf16", t, 0, 0) for name in LAYER_KERNELS[1:] for t in ([16, 1024] if quick else [1, 16, 1024])])
 
 
 def wall_time_ms(fn: Callable[[], object], budget_ms: float) -> float:

@@ -17,16 +17,20 @@ def test_bench_kernels_checks_every_kernel_in_the_interpreter(tmp_path):
     data = json.loads((tmp_path / "kernels.json").read_text())
     assert data["mode"] == "interpreter"
     kernels = {r["kernel"] for r in data["results"]}
+    layers = {"linear.avx512", "rms_norm.avx512", "rope.avx512", "silu_mul.avx512"}
     assert kernels == {"decode", "prefill.paged", "prefill.slot", "kv.store", "decode.cpu", "decode.avx512",
-                       "prefill.cpu"}
+                       "prefill.cpu"} | layers
     # the C attention kernels are timed for real, against their twins, in the dtypes they take
     rows = {name: [r for r in data["results"] if r["kernel"] == name] for name in kernels}
     assert {r["dtype"] for r in rows["decode.cpu"]} == {"bf16", "fp32"}
     assert {r["dtype"] for r in rows["decode.avx512"] + rows["prefill.cpu"]} == {"bf16"}
-    timed = rows["decode.cpu"] + rows["decode.avx512"] + rows["prefill.cpu"]
+    avx512 = rows["decode.avx512"] + rows["prefill.cpu"] + [r for name in layers for r in rows[name]]
+    timed = rows["decode.cpu"] + avx512
     if not cpu_supported(cpu_flags()):      # no AVX-512 BF16: those rows say so and fail
         timed = rows["decode.cpu"]
-        failed -= len(rows["decode.avx512"]) + len(rows["prefill.cpu"])
+        failed -= len(avx512)
+    # the small-row linear kernel at a decode step's rows, reading weights from memory
+    assert {r["batch"] for r in rows["linear.avx512"]} == {1, 16} and {r["unit"] for r in rows["linear.avx512"]} <= {"GB/s"}
     assert all(r["kernel_ms"] > 0 and r["torch_ms"] > 0 for r in timed)
     assert {r["unit"] for r in rows["prefill.cpu"]} <= {"TFLOP/s"} and {r["unit"] for r in rows["decode.avx512"]} <= {"GB/s"}
     assert failed == 0, [r for r in data["results"] if not r["ok"]]
