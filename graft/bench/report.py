@@ -74,11 +74,14 @@ def machine_info() -> dict[str, Any]:
 
 
 def source_digest() -> str:
-    """A short digest of the engine's source files: which engine code a result was measured on."""
-    root = Path(__file__).resolve().parents[1] / "engine"
+    """A short digest of the engine's source files, its kernels' (Python and C) among them: which
+    engine code a result was measured on."""
+    package = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
+    paths = [*(package / "engine").rglob("*.py"), *(package / "kernels").rglob("*.py"),
+             *(package / "kernels").rglob("*.c")]
+    for path in sorted(paths):
+        h.update(str(path.relative_to(package)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

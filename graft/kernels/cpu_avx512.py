@@ -1,6 +1,6 @@
-"""Attention on a CPU with AVX-512 BF16, in C: the engine's prefill and decode attention in bf16.
+"""The engine's bf16 CPU kernels on AVX-512 BF16, in C: attention and the layer around it.
 
-Two kernels in `csrc/attention_avx512bf16.c`, both on the CPU's bf16 dot-product instruction
+Two attention kernels in `csrc/cpu_avx512bf16.c`, both on the CPU's bf16 dot-product instruction
 (vdpbf16ps: exact bf16 products summed in float32), head size 64:
 
 - **prefill**: causal attention of one sequence's new tokens over its context, a flash-attention
@@ -14,7 +14,13 @@ Two kernels in `csrc/attention_avx512bf16.c`, both on the CPU's bf16 dot-product
 - **decode**: one query token per sequence over the paged cache read in place, as the portable
   `cpu_decode` kernel does, but with the dot products on vdpbf16ps and sixteen keys' sums folded
   by lane permutes instead of one horizontal sum per key (that kernel's bound); the values are
-  weighted in float32.
+  weighted in float32. A sequence is one work item and each cached token's row (all its KV
+  heads) is read at once, 32 tokens prefetched ahead across the scattered blocks.
+
+And the layer around attention, which `LlamaForCausalLM.use_native_layers` runs in place of
+torch's operators: RMSNorm fused with the residual add, RoPE on queries and keys at once,
+SiLU-and-mul, and a linear layer for the few rows of a decode step (torch's bf16 matmul reads the
+weights far below the memory's speed there). Each rounds where torch's bf16 operators round.
 
 `graft bench kernels` times both against the paths they replace (docs/benchmarks.md). They are
 built, cached and loaded as `cpu_decode` is (same cache, same `GRAFT_NATIVE_KERNELS` switch),

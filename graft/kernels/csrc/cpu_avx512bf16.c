@@ -217,12 +217,14 @@ int graft_prefill_bf16(const uint16_t *q, int64_t q_tok, int64_t q_head, const u
  * One query token per sequence over its cached tokens, read in place from the paged cache, as
  * csrc/paged_decode_cpu.c does, for bf16 and a head size of 64. Layouts as there: q and out
  * [B, H, 64]; k_cache, v_cache [num_blocks, block_size, n_kv, 64]; block_tables [B, max_blocks]
- * int32; context_lens [B] int32. One work item is one KV head of one sequence with its group of
- * query heads. Scores: each key row is two vectors of 32 bf16, multiplied into a query head by
+ * int32; context_lens [B] int32. One work item is one sequence, all its heads (or, with fewer
+ * sequences than twice the threads, one KV head of one sequence with its group of query heads).
+ * Scores: each key row is two vectors of 32 bf16, multiplied into a query head by
  * vdpbf16ps (exact bf16 products, float32 sums); sixteen keys' partial sums are then folded into
  * one vector of sixteen scores by a tree of lane permutes, instead of a horizontal sum per key.
- * Softmax in float32; the values are widened to float32 and weighted in float32, so the only
- * roundings are the float32 sums' and the one to bf16 at the end.
+ * Softmax in float32, normalised before the values are weighted; the values are widened to
+ * float32 and weighted in float32, so the only roundings are the float32 sums' and the one to
+ * bf16 at the end.
  *
  * Returns 0; -1 when a block table names a block outside the cache, a length is out of range or
  * the head size is not 64 (nothing is read out of bounds); -2 when memory ran out. */
