@@ -254,18 +254,22 @@ static inline __m512 sum16(__m512 v[16]) {
     return fold(c[0], c[1], lo1, hi1);
 }
 
+/* How far ahead the decode kernel asks for the keys and values it will read. A sequence's tokens
+ * lie in 64-token blocks scattered over the cache, which the hardware prefetchers do not follow
+ * from one block to the next; each load of a token's head is paired with a prefetch of the same
+ * head 32 tokens on, so the requests spread over the computation instead of coming in bursts
+ * that fill the core's miss buffers (a burst of a whole tile's lines ran 1.4x slower). */
 #define PREFETCH_AHEAD 32  /* tokens */
 
-/* Ask for the cache lines of KV heads h0..h1 - 1 of tokens t0..t0 + 15 (those below n): the
- * tokens of a sequence lie in blocks scattered over the cache, which the hardware prefetchers
- * cannot follow from one block to the next. */
-static inline void prefetch_tile(const uint16_t *cache, const int32_t *table, int t0, int n, int block_size,
-                                 int64_t row, int h0, int h1) {
-    for (int t = t0; t < t0 + 16 && t < n; t++) {
-        const char *p = (const char *)(cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row + h0 * D);
-        for (int64_t off = 0; off < (int64_t)(h1 - h0) * D * 2; off += 64)
-            __asm__ volatile("prefetcht0 %0" : : "m"(*(p + off)));  /* GCC 12 drops the builtin here */
-    }
+static inline void prefetch_line(const void *p) {
+    __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)p));   /* GCC 12 drops the builtin here */
+}
+
+/* Row pointers of the sixteen tokens from t0 (NULL past n): where a tile will read ahead. */
+static inline void tile_rows(const uint16_t *cache, const int32_t *table, int t0, int n, int block_size,
+                             int64_t row, const uint16_t *out[16]) {
+    for (int t = 0; t < 16; t++)
+        out[t] = t0 + t < n ? cache + ((int64_t)table[(t0 + t) / block_size] * block_size + (t0 + t) % block_size) * row : NULL;
 }
 
 /* Query heads of KV heads h0..h1 - 1 of one sequence. The keys and values are read in tiles of
@@ -286,7 +290,8 @@ static int decode_item(const uint16_t *q, const uint16_t *k_cache, const uint16_
             const int tok = t0 + t < n ? t0 + t : n - 1;  /* past the end: a repeat, masked below */
             rows[t] = k_cache + ((int64_t)table[tok / block_size] * block_size + tok % block_size) * row;
         }
-        prefetch_tile(k_cache, table, t0 + PREFETCH_AHEAD, n, block_size, row, h0, h1);
+        const uint16_t *ahead[16];
+        tile_rows(k_cache, table, t0 + PREFETCH_AHEAD, n, block_size, row, ahead);
         for (int h = h0; h < h1; h++)
             for (int j = 0; j < g; j++) {
                 const uint16_t *qh = q + (h * g + j) * D;
@@ -294,6 +299,10 @@ static int decode_item(const uint16_t *q, const uint16_t *k_cache, const uint16_
                 __m512 part[16];
                 for (int t = 0; t < 16; t++) {
                     const uint16_t *kr = rows[t] + h * D;
+                    if (j == 0 && ahead[t]) {   /* the same head's lines of a token further on */
+                        prefetch_line(ahead[t] + h * D);
+                        prefetch_line(ahead[t] + h * D + 32);
+                    }
                     part[t] = dot(dot(_mm512_setzero_ps(), q0, _mm512_loadu_si512(kr)), q1, _mm512_loadu_si512(kr + 32));
                 }
                 _mm512_storeu_ps(scores + (int64_t)((h - h0) * g + j) * padded + t0,
@@ -323,7 +332,8 @@ static int decode_item(const uint16_t *q, const uint16_t *k_cache, const uint16_
             const int tok = t0 + t;
             rows[t] = v_cache + ((int64_t)table[tok / block_size] * block_size + tok % block_size) * row;
         }
-        prefetch_tile(v_cache, table, t0 + PREFETCH_AHEAD, n, block_size, row, h0, h1);
+        const uint16_t *ahead[16];
+        tile_rows(v_cache, table, t0 + PREFETCH_AHEAD, n, block_size, row, ahead);
         for (int h = h0; h < h1; h++) {
             __m512 a[GROUP_MAX][4];
             float *ah = acc + (int64_t)(h - h0) * g * D;
@@ -331,6 +341,10 @@ static int decode_item(const uint16_t *q, const uint16_t *k_cache, const uint16_
                 for (int e = 0; e < 4; e++) a[j][e] = _mm512_loadu_ps(ah + j * D + 16 * e);
             for (int t = 0; t < tn; t++) {
                 const uint16_t *vr = rows[t] + h * D;
+                if (ahead[t]) {
+                    prefetch_line(ahead[t] + h * D);
+                    prefetch_line(ahead[t] + h * D + 32);
+                }
                 __m512 vf[4];
                 for (int e = 0; e < 4; e++) vf[e] = load16(vr + 16 * e);
                 for (int j = 0; j < g; j++) {
