@@ -379,7 +379,7 @@ def cpu_cases(quick: bool) -> list[Case]:
     batches = [1, 16] if quick else [1, 4, 16, 32]
     contexts = [512, 2048] if quick else [256, 1024, 2048, 4096]
     chunks = [(0, 512), (512, 512)] if quick else [(0, 256), (0, 1024), (1024, 1024), (0, 2048), (3072, 1024)]
-    rows = [1, 16] if quick else [1, 4, 16, 32]
+    rows = [1, 16] if quick else [1, 4, 16, 32, 64]
     shapes = [(960, 576), (3072, 576)] if quick else [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
     return ([Case("decode.cpu", dtype, b, c - 1, 1) for dtype in ("bf16", "fp32") for b in batches for c in contexts]
             + [Case("decode.avx512", "bf16", b, c - 1, 1) for b in batches for c in contexts]
