@@ -186,9 +186,9 @@ class LlamaForCausalLM(nn.Module):
         A decode step of this model is some 50 small torch operators per layer (the norms, the
         residual adds, RoPE, SiLU-and-mul) around five matmuls; their dispatch costs more than
         their arithmetic, and torch's bf16 matmul at a decode step's few rows reads the weights
-        at well under the memory's speed. The native forward makes each layer eight calls: the
-        norm fused with the residual add before it, RoPE on queries and keys at once, SiLU-and-mul,
-        and the small-row linear kernel for the projections. Same results within bf16 rounding.
+        at well under the memory's speed. The native forward makes each layer about ten calls:
+        two norms, each fused with the residual add before it, RoPE on queries and keys at once,
+        SiLU-and-mul, the slots, and the small-row linear kernel for the projections. Same results within bf16 rounding.
         """
         cfg, weight = self.config, self.model.embed_tokens.weight
         self.native_layers = (
