@@ -258,14 +258,14 @@ static inline __m512 sum16(__m512 v[16]) {
  * lie in 64-token blocks scattered over the cache, which the hardware prefetchers do not follow
  * from one block to the next; each load of a token's head is paired with a prefetch of the same
  * head 32 tokens on, so the requests spread over the computation instead of coming in bursts
- * that fill the core's miss buffers (a burst of a whole tile's lines ran 1.4x slower). */
+ * that fill the core's miss buffers (a burst of a whole tile's lines at once ran clearly slower). */
 #define PREFETCH_AHEAD 32  /* tokens */
 
 static inline void prefetch_line(const void *p) {
     __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)p));   /* GCC 12 drops the builtin here */
 }
 
-/* Row pointers of the sixteen tokens from t0 (NULL past n): where a tile will read ahead. */
+/* Row pointers of the sixteen tokens from t0 (NULL past n): where a tile reads, or will read. */
 static inline void tile_rows(const uint16_t *cache, const int32_t *table, int t0, int n, int block_size,
                              int64_t row, const uint16_t *out[16]) {
     for (int t = 0; t < 16; t++)
@@ -328,10 +328,7 @@ static int decode_item(const uint16_t *q, const uint16_t *k_cache, const uint16_
     memset(acc, 0, sizeof(float) * heads * D);
     for (int t0 = 0; t0 < n; t0 += 16) {
         const int tn = n - t0 < 16 ? n - t0 : 16;
-        for (int t = 0; t < tn; t++) {
-            const int tok = t0 + t;
-            rows[t] = v_cache + ((int64_t)table[tok / block_size] * block_size + tok % block_size) * row;
-        }
+        tile_rows(v_cache, table, t0, n, block_size, row, rows);  /* the tn rows below n */
         const uint16_t *ahead[16];
         tile_rows(v_cache, table, t0 + PREFETCH_AHEAD, n, block_size, row, ahead);
         for (int h = h0; h < h1; h++) {
@@ -498,7 +495,7 @@ int graft_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, uint16_t *out, in
 
 /* y [m, n] contiguous = x [m, k] (row stride x_stride) times w [n, k] contiguous, transposed: a
  * linear layer for the few rows of a decode step, where a general matmul cannot keep the weights
- * streaming (torch's bf16 matmul reads them at 15-20 GB/s at 16 rows here). Each thread takes
+ * streaming (torch's bf16 matmul reads them at 11-17 GB/s at 16 rows here, `graft bench kernels`). Each thread takes
  * its share of eight-row slabs of w; a slab is read from memory once, for the first two rows of
  * x, and from the first-level cache for the others. Two rows of x against eight of w make sixteen
  * float32 accumulators of vdpbf16ps, which `sum16` folds into one vector of sixteen outputs.
