@@ -115,6 +115,17 @@ def _pods(status: dict[str, Any]) -> Table:
     return pods
 
 
+def _value(result: dict[str, Any]) -> str:
+    """A check's value as its table cell: output-divergence as the divergent share with its counts
+    (`3 of 3` says more than `1`), any other check as its number."""
+    value, numbers = result.get("value"), result.get("numbers") or {}
+    if value is None:
+        return "-"
+    if "compared" in numbers and "divergent" in numbers:
+        return f"{value * 100:.3g}% ({numbers['divergent']:.0f} of {numbers['compared']:.0f})"
+    return f"{value:.4g}"
+
+
 def _analysis(status: dict[str, Any]) -> Table:
     analysis = status.get("analysis") or {}
     metrics = Table(title=f"Analysis (last run {analysis.get('lastRun') or 'never'}: "
@@ -122,11 +133,10 @@ def _analysis(status: dict[str, Any]) -> Table:
     for column in ("Check", "Role", "Value", "Threshold", "Window", "Verdict", "Breaches", "Detail"):
         metrics.add_column(column)
     for r in analysis.get("results") or []:
-        value = r.get("value")
         verdict = r.get("verdict", "")
         role = r.get("role", "breaker")
         metrics.add_row(r["name"] + (" (dry run)" if r.get("dryRun") else ""), role,
-                        "-" if value is None else f"{value:.4g}", r.get("threshold", ""), r.get("window", ""),
+                        _value(r), r.get("threshold", ""), r.get("window", ""),
                         Text(verdict, style=VERDICT_STYLE.get(verdict, "")),
                         str(r.get("breaches", 0)) if role == "breaker" else "", r.get("message", ""))
     return metrics

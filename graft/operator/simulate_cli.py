@@ -1,7 +1,8 @@
 """`graft rollout simulate -f rollout.yaml`: check a rollout's thresholds before a real rollout does.
 
 Runs the real decision code (graft.rollout.simulate) against a simulated fleet for many seeds: once
-with a neutral patch, once per regression given with `--bad` (by default: +2% errors, and TPOT x1.5),
+with a neutral patch, once per regression given with `--bad` (by default: +2% errors, TPOT x1.5, and
+60% of the canary's shadow comparisons divergent),
 and prints the chance of promoting the good patch, of catching each bad one, the step it is caught
 at and the time to a decision; `--plot` draws them.
 """
@@ -22,7 +23,7 @@ from graft.rollout.durations import format_duration, parse_duration
 from graft.rollout.simulate import Outcome, Regression, Scenario, Traffic, simulatable, simulate, summarise
 from graft.rollout.spec import SpecError, parse_spec
 
-DEFAULT_BAD = ("errors=0.02", "tpot=1.5")
+DEFAULT_BAD = ("errors=0.02", "tpot=1.5", "divergence=0.6")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,12 +41,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--spikes-per-hour", type=float, default=0.0, help="latency spikes per pod per hour")
     p.add_argument("--spike-factor", type=float, default=1.8, help="how much slower a pod is during a spike")
+    p.add_argument("--shadow-rate", type=float, default=0.1,
+                   help="share of a patched engine's finished requests it compares with its previous table "
+                        "(the engine records --shadow-rate of them and compares what its --shadow-budget allows)")
+    p.add_argument("--shadow-floor", type=float, default=4.0,
+                   help="shadow comparisons per pod a minute at least (never more than it finishes; "
+                        "the engine's --shadow-floor)")
+    p.add_argument("--divergence", type=float, default=0.005,
+                   help="background share of compared requests that are divergent (a good patch)")
     p.add_argument("--restarts-per-hour", type=float, default=0.0, help="engine restarts per pod per hour")
     p.add_argument("--outage", metavar="FROM:UNTIL", help="Prometheus unreachable in this time span, e.g. 2m:30m")
     p.add_argument("--gateway", action="store_true", help="route by Gateway API weights instead of pod ratio")
     p.add_argument("--bad", action="append", metavar="SPEC",
-                   help="a regression to catch: errors=0.02, tpot=1.5, ttft=2, cpu=0.3, from-step=3 "
-                        "(comma-separated; repeatable; default: errors=0.02 and tpot=1.5)")
+                   help="a regression to catch: errors=0.02, tpot=1.5, ttft=2, cpu=0.3, divergence=0.6 "
+                        "(the share of the canary's compared requests that diverge), from-step=3 "
+                        "(comma-separated; repeatable; default: errors=0.02, tpot=1.5 and divergence=0.6)")
     p.add_argument("--seeds", type=int, default=20, help="runs per scenario")
     p.add_argument("--tick", type=float, default=5.0, help="seconds between operator ticks")
     p.add_argument("--horizon", default="6h", help="give up on a run after this long")
@@ -68,11 +78,15 @@ def parse_regression(text: str) -> Regression:
                     reg.ttft = float(value)
                 case "cpu":
                     reg.cpu = float(value)
+                case "divergence":
+                    reg.divergence = float(value)
+                    if not 0 <= reg.divergence <= 1:
+                        raise argparse.ArgumentTypeError(f"--bad {text!r}: divergence is a share between 0 and 1")
                 case "from-step":
                     reg.from_step = int(value)
                 case _:
                     raise argparse.ArgumentTypeError(
-                        f"--bad {text!r}: unknown {key!r} (errors, tpot, ttft, cpu, from-step)")
+                        f"--bad {text!r}: unknown {key!r} (errors, tpot, ttft, cpu, divergence, from-step)")
         except ValueError:
             raise argparse.ArgumentTypeError(f"--bad {text!r}: {key} needs a number, not {value!r}") from None
     return reg
@@ -102,6 +116,11 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
     try:
         spec = parse_spec(manifest.get("spec") or {}, templates)
         bad = [parse_regression(b) for b in (args.bad or DEFAULT_BAD)]
+        for flag, value in (("--shadow-rate", args.shadow_rate), ("--divergence", args.divergence)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"{flag} is a share between 0 and 1, not {value:g}")
+        if args.shadow_floor < 0:
+            raise ValueError(f"--shadow-floor is comparisons a minute, not {args.shadow_floor:g}")
         outage = None
         if args.outage:
             start, _, end = args.outage.partition(":")
@@ -118,7 +137,8 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
                       f"{', '.join(dropped)}")
     traffic = Traffic(rps=args.rps, error_rate=args.error_rate, ttft_median=args.ttft, ttft_sigma=2 * args.latency_sigma,
                       tpot_median=args.tpot, tpot_sigma=args.latency_sigma, tokens=args.tokens,
-                      spike_per_hour=args.spikes_per_hour, spike_factor=args.spike_factor)
+                      spike_per_hour=args.spikes_per_hour, spike_factor=args.spike_factor,
+                      shadow_rate=args.shadow_rate, shadow_floor=args.shadow_floor, divergence=args.divergence)
     scenarios = [("good patch", Regression())] + [(r.describe(), r) for r in bad]
     results: dict[str, list[Outcome]] = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

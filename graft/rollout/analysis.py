@@ -10,7 +10,9 @@ Two kinds of check (graft.rollout.spec):
 
 Counts are judged as counts. An error-rate check compares confidence bounds of the canary's rate
 with its limit, not the raw ratio, so one error in 40 requests is not a 2.5% error rate; a
-canary-vs-stable comparison bounds the difference of the two rates (graft.rollout.stats). A gate is
+canary-vs-stable comparison bounds the difference of the two rates (graft.rollout.stats);
+`output-divergence` bounds the share of the canary's shadow comparisons (its requests re-run through
+the table it ran before the patch) that diverged, on the canary alone. A gate is
 Successful only once the traffic shows, at `confidence`, that it holds; until then it is
 Inconclusive, and the smallest traffic that could settle it follows from its threshold.
 
@@ -127,44 +129,64 @@ def _count(m: Measurement, key: str) -> float:
     return 0.0 if v is None or math.isnan(v) else max(0.0, v)
 
 
+def _window(check: Check) -> str:
+    return "the step so far" if check.window is None else check.window_text
+
+
 def _rate(check: Check, m: Measurement, a: Analysis) -> _Outcome:
-    n = _count(m, "canary_requests")
-    matching = min(_count(m, "canary_matching"), n)
-    success = check.metric == "success-rate"
-    bad = n - matching if success else matching
-    limit = (1 - check.min) if success else check.max
-    window = check.window_text
-    if n < 1:
-        return _Outcome(INCONCLUSIVE, f"{check.name}: no canary requests in {window}", None)
-    value = (matching if success else bad) / n
-    shown = f"{check.name} {_pct(value)} ({int(round(bad))} {'failed' if success else 'errors'} of {int(round(n))} " \
-            f"canary requests in {window})"
+    """A share of the canary's requests against an absolute limit, judged on its counts: errors
+    (error-rate), failures (success-rate) or divergent shadow comparisons (output-divergence)."""
+    window = _window(check)
+    if check.metric == "output-divergence":
+        n = _count(m, "canary_compared")
+        bad = min(_count(m, "canary_divergent"), n)
+        if n < 1:
+            # nothing compared: no traffic yet, or no canary with a previous table to compare against
+            return _Outcome(INCONCLUSIVE, f"{check.name}: no compared requests in {window}", None, short=True)
+        limit, value = check.max, bad / n
+        shown = (f"{check.name} {int(round(bad))} divergent of {int(round(n))} compared requests in {window} "
+                 f"({_pct(value)})")
+        limit_text, clean = f"the {_pct(limit)} limit", "compared requests without a divergence"
+        counts = dict(compared=n, divergent=bad, share=value)
+    else:
+        n = _count(m, "canary_requests")
+        matching = min(_count(m, "canary_matching"), n)
+        success = check.metric == "success-rate"
+        bad = n - matching if success else matching
+        limit = (1 - check.min) if success else check.max
+        if n < 1:
+            return _Outcome(INCONCLUSIVE, f"{check.name}: no canary requests in {window}", None)
+        value = (matching if success else bad) / n
+        shown = f"{check.name} {_pct(value)} ({int(round(bad))} {'failed' if success else 'errors'} of " \
+                f"{int(round(n))} canary requests in {window})"
+        limit_text = f"the {'failure rate' if success else 'error rate'} {_pct(limit)}"
+        clean = "error-free requests"
+        counts = dict(requests=n, errors=bad, rate=bad / n)
     lower = stats.rate_lower(bad, n, a.rollback_confidence)
     upper = stats.rate_upper(bad, n, a.confidence)
-    numbers = dict(requests=n, errors=bad, rate=bad / n, lower=lower, upper=upper, limit=limit)
+    numbers = dict(**counts, lower=lower, upper=upper, limit=limit)
     floor = check.min_samples
     if floor is not None and n < floor:
         return _Outcome(INCONCLUSIVE, f"{shown}: fewer than minSamples {floor}", value, short=True, **numbers)
-    limit_text = f"{'failure rate' if success else 'error rate'} {_pct(limit)}"
     if lower > limit:
-        return _Outcome(FAILED, f"{shown}: above the {limit_text} at {a.rollback_confidence:.4g} confidence "
+        return _Outcome(FAILED, f"{shown}: above {limit_text} at {a.rollback_confidence:.4g} confidence "
                                 f"(lower bound {_pct(lower)})", value, conclusive=True, **numbers)
     if check.role == BREAKER:
-        return _Outcome(SUCCESSFUL, f"{shown}: not shown above the {limit_text}", value, **numbers)
+        return _Outcome(SUCCESSFUL, f"{shown}: not shown above {limit_text}", value, **numbers)
     if upper <= limit:
-        return _Outcome(SUCCESSFUL, f"{shown}: within the {limit_text} at {a.confidence:.4g} confidence "
+        return _Outcome(SUCCESSFUL, f"{shown}: within {limit_text} at {a.confidence:.4g} confidence "
                                     f"(upper bound {_pct(upper)})", value, **numbers)
     need = stats.min_samples(limit, a.confidence)
     if bad / n > limit and n >= need:
-        return _Outcome(FAILED, f"{shown}: above the {limit_text}, not yet conclusively", value, **numbers)
-    return _Outcome(INCONCLUSIVE, f"{shown}: upper bound {_pct(upper)} not yet within the {limit_text} "
-                                  f"(about {need} error-free requests show it)", value, short=True, **numbers)
+        return _Outcome(FAILED, f"{shown}: above {limit_text}, not yet conclusively", value, **numbers)
+    return _Outcome(INCONCLUSIVE, f"{shown}: upper bound {_pct(upper)} not yet within {limit_text} "
+                                  f"(about {need} {clean} show it)", value, short=True, **numbers)
 
 
 def _difference(check: Check, m: Measurement, a: Analysis) -> _Outcome:
     nc, ns = _count(m, "canary_requests"), _count(m, "stable_requests")
     kc, ks = min(_count(m, "canary_errors"), nc), min(_count(m, "stable_errors"), ns)
-    window = "the step so far" if check.window is None else check.window_text
+    window = _window(check)
     limit = check.max
     if nc < 1 or ns < 1:
         side = "canary" if nc < 1 else "stable"

@@ -11,6 +11,9 @@ restricted to the rollout's namespace by the `namespace` label that a Kubernetes
 attaches to every target. Process metrics carry no revision: `cpu` joins them on `instance` with
 `graft_engine_revision_info{revision}`, which each engine exports for its current revision, and
 divides by `graft_cpu_quota_cores` (the container's CPU limit), so 0.92 means 92% of its quota.
+`output-divergence` counts the canary engines' shadow comparisons (`graft_shadow_requests_total`,
+by `result`: `agree`, `divergent`, `error`): each canary compares a share of its finished requests
+with the table it ran before the patch, so the canary's own series are the whole comparison.
 
 Custom queries may use `{{namespace}}`, `{{canaryRevision}}`, `{{stableRevision}}`, `{{window}}`,
 `{{patchName}}`, `{{patchVersion}}` and a template's `{{args.NAME}}`; a query that uses
@@ -29,6 +32,11 @@ _ARG = re.compile(r"\{\{\s*args\.([A-Za-z][A-Za-z0-9_]*)\s*\}\}")
 
 CANARY, STABLE = "canary", "stable"
 REQUESTS = "graft_requests_total"
+SHADOW = "graft_shadow_requests_total"
+# shadow comparison results: a compared request agrees or diverges; `error` (the comparison itself
+# failed) is neither and is left out of both counts
+COMPARED, DIVERGENT = "compared", "divergent"
+COMPARED_RESULTS = ("agree", DIVERGENT)
 # the histogram behind each built-in quantile check, and its quantile
 QUANTILES: dict[str, tuple[str, float]] = {
     "latency-p99": ("graft_request_duration_seconds", 0.99),
@@ -42,6 +50,7 @@ class Series:
     """One number a check needs. `key` names it for the judge; `promql` asks Prometheus for it.
 
     kind: count (requests of `side` with `status`, or all; `failed` is `error` or `abandoned`),
+    shadow (the canary's shadow comparisons: `compared`, agreeing or divergent, or `divergent` alone),
     quantile (`q` of histogram `metric`),
     samples (observations in histogram `metric`), cpu (canary CPU utilisation), custom (a user query).
     """
@@ -124,6 +133,13 @@ def count_query(ctx: Context, side: str, window: float, status: str | None = Non
     return f"sum(increase({REQUESTS}{selector}[{promql_duration(window)}]))"
 
 
+def shadow_query(ctx: Context, window: float, result: str) -> str:
+    """The canary's shadow comparisons over `window`: all `compared` (agree or divergent), or `divergent`."""
+    selector = _sel(ctx, CANARY)[:-1]
+    selector += f',result="{DIVERGENT}"}}' if result == DIVERGENT else f',result=~"{"|".join(COMPARED_RESULTS)}"}}'
+    return f"sum(increase({SHADOW}{selector}[{promql_duration(window)}]))"
+
+
 def quantile_query(ctx: Context, side: str, metric: str, q: float, window: float) -> str:
     """The median over pods of each pod's quantile: a uniform regression moves it, one noisy pod
     (a neighbour, a slow node) does not. `>= 0` drops pods with no samples (NaN)."""
@@ -145,6 +161,9 @@ def cpu_query(ctx: Context, window: float) -> str:
 def plan(check, ctx: Context, window: float) -> list[Series]:
     """The numbers `check` (a spec Check) needs over `window` seconds, each with its PromQL."""
     kind = check.kind
+    if kind == "rate" and check.metric == "output-divergence":
+        return [Series(f"canary_{result}", "shadow", CANARY, result, metric=SHADOW, window=window,
+                       promql=shadow_query(ctx, window, result)) for result in (COMPARED, DIVERGENT)]
     if kind == "rate":
         status = "ok" if check.metric == "success-rate" else "error"
         return [Series("canary_requests", "count", CANARY, None, window=window,

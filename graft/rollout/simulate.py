@@ -9,9 +9,15 @@ metrics are simulated:
 - traffic: Poisson arrivals at `rps`, split by the router (pod ratio: evenly over ready pods; Gateway
   API: the route's weight to canary pods, the rest to stable pods);
 - outcomes: a background error rate on every revision, plus the patch's regression (extra errors,
-  slower first tokens or tokens) once the rollout reaches the step it starts at;
+  slower first tokens or tokens, divergent outputs) once the rollout reaches the step it starts at;
 - latency: TTFT and TPOT drawn from log-normal distributions into the engine's own histogram buckets,
   with per-pod spikes (a pod's latency multiplied for a while, as a noisy neighbour does);
+- shadow comparisons: an engine that took the patch while it ran (so it still holds the table it ran
+  before) compares a share of its finished requests with that table, at least `shadow_floor` a
+  minute (never more than it finishes), as graft.engine.shadow does; a background share of them is
+  divergent (a good bf16 patch flags a few long requests near ties), and the patch's own share
+  replaces it once its regression starts. Stable pods, pods restarted into the patch and pods it was
+  taken out of have nothing to compare against and compare nothing;
 - Prometheus: counters kept per revision and read back over each check's window, quantiles computed
   as `histogram_quantile` does (linear inside the bucket); an outage makes every query fail;
 - pods: restarts at random (an engine comes back running its `graft.dev/patches` annotation, as the
@@ -34,7 +40,7 @@ from graft.rollout import analysis as judge
 from graft.rollout.decision import ClearPromote, LabelPod, PatchPod, PauseRollout, SetWeight, UnpatchPod
 from graft.rollout.machine import analysis_due, decide, known_revision
 from graft.rollout.observation import Controls, Measurement, Observation, PodObservation
-from graft.rollout.queries import CANARY, FAILED, Series
+from graft.rollout.queries import CANARY, DIVERGENT, FAILED, Series
 from graft.api import BASE, FINAL_PHASES, has_patch, with_patch, without_patch
 from graft.rollout.spec import RolloutSpec
 from graft.rollout.status import PAUSED, PROMOTED, RolloutStatus
@@ -66,6 +72,9 @@ class Traffic:
     spike_factor: float = 1.8
     spike_seconds: float = 30.0
     cpu: float = 0.5                      # CPU utilisation of an engine (fraction of its quota)
+    shadow_rate: float = 0.1              # share of a patched engine's finished requests it compares
+    shadow_floor: float = 4.0             # comparisons per pod a minute at least (up to all it finishes)
+    divergence: float = 0.005             # background share of compared requests that are divergent
 
 
 @dataclass(slots=True)
@@ -76,11 +85,12 @@ class Regression:
     ttft: float = 1.0                     # TTFT multiplier
     tpot: float = 1.0                     # TPOT multiplier
     cpu: float = 0.0                      # extra CPU utilisation
+    divergence: float = 0.0               # share of the canary's compared requests that are divergent
     from_step: int = 1
 
     @property
     def neutral(self) -> bool:
-        return self.errors == 0 and self.ttft == 1 and self.tpot == 1 and self.cpu == 0
+        return self.errors == 0 and self.ttft == 1 and self.tpot == 1 and self.cpu == 0 and self.divergence == 0
 
     def describe(self) -> str:
         if self.neutral:
@@ -94,6 +104,8 @@ class Regression:
             parts.append(f"TPOT x{self.tpot:g}")
         if self.cpu:
             parts.append(f"+{self.cpu * 100:g}% CPU")
+        if self.divergence:
+            parts.append(f"{self.divergence * 100:g}% divergent outputs")
         return ", ".join(parts) + (f" from step {self.from_step}" if self.from_step > 1 else "")
 
 
@@ -128,6 +140,7 @@ class _Pod:
         self.patches: str | None = None
         self.unready_until = -1.0
         self.spike_until = -1.0
+        self.compares = False             # holds the table it ran before the patch: shadow comparisons
 
     def ready(self, now: float) -> bool:
         return now >= self.unready_until
@@ -144,6 +157,7 @@ class _Counters:
         key = (revision, pod)
         if key not in self.now:
             self.now[key] = {"requests": np.zeros(1), "errors": np.zeros(1),
+                             "compared": np.zeros(1), "divergent": np.zeros(1),
                              "ttft": np.zeros(len(LATENCY_BUCKETS) + 1),
                              "tpot": np.zeros(len(TOKEN_BUCKETS) + 1)}
         return self.now[key]
@@ -202,6 +216,8 @@ class Simulation:
     def __init__(self, spec: RolloutSpec, scenario: Scenario, seed: int):
         self.spec, self.sc = spec, scenario
         self.rng = np.random.default_rng(seed)
+        # shadow comparisons draw from their own stream: the rest of a seeded run stays as it was
+        self.shadow_rng = np.random.default_rng([seed, 1])
         self.pods = {f"engine-{i}": _Pod(f"engine-{i}", BASE) for i in range(scenario.pods)}
         self.route_weight = 0 if scenario.gateway else None
         self.generation = 1
@@ -251,12 +267,24 @@ class Simulation:
             p_err = min(1.0, t.error_rate + (reg.errors if bad else 0.0))
             slow = t.spike_factor if now < pod.spike_until else 1.0
             c = self.counters.series(pod.revision, pod.name)
+            errors = rng.binomial(n, p_err)
             c["requests"] += n
-            c["errors"] += rng.binomial(n, p_err)
+            c["errors"] += errors
+            if pod.compares:
+                self._compare(c, n - errors, rate, bad)
             ttft = t.ttft_median * slow * (reg.ttft if bad else 1.0)
             tpot = t.tpot_median * slow * (reg.tpot if bad else 1.0)
             c["ttft"] += rng.multinomial(n, self._probs(LATENCY_BUCKETS, ttft, t.ttft_sigma))
             c["tpot"] += rng.multinomial(n * t.tokens, self._probs(TOKEN_BUCKETS, tpot, t.tpot_sigma))
+
+    def _compare(self, c: dict[str, np.ndarray], finished: int, rate: float, bad: bool) -> None:
+        """Shadow comparisons of a patched engine's `finished` requests (it served `rate` a second)."""
+        t, reg, rng = self.sc.traffic, self.sc.regression, self.shadow_rng
+        share = min(1.0, max(t.shadow_rate, t.shadow_floor / 60 / rate)) if rate > 0 else 0.0
+        compared = int(rng.binomial(finished, share))
+        divergent = reg.divergence if bad and reg.divergence else t.divergence
+        c["compared"] += compared
+        c["divergent"] += rng.binomial(compared, min(1.0, divergent))
 
     def _churn(self, now: float, dt: float) -> None:
         chance = self.sc.restarts_per_hour * dt / 3600
@@ -266,8 +294,10 @@ class Simulation:
             if pod.ready(now) and self.rng.random() < chance:
                 pod.container += 1
                 pod.restarts += 1
-                # the container comes back with what its annotation says (GRAFT_PATCHES)
+                # the container comes back with what its annotation says (GRAFT_PATCHES), and with
+                # no earlier table to compare against
                 pod.revision = pod.patches or BASE
+                pod.compares = False
                 pod.unready_until = now + self.sc.restart_seconds
 
     # the operator
@@ -304,13 +334,17 @@ class Simulation:
             per_pod = [histogram_quantile(s.q, bounds, c) for c in self.counters.per_pod(revision, key, now, s.window)]
             per_pod = [v for v in per_pod if not math.isnan(v)]
             return float(np.quantile(per_pod, 0.5)) if per_pod else None
+        if s.kind == "shadow":
+            got = self.counters.increase(revision, "divergent" if s.status == DIVERGENT else "compared",
+                                         now, s.window)
+            return None if got is None else float(got[0])
         if s.kind == "cpu":
             pods = [p for p in self.pods.values() if p.revision == revision and p.ready(now)]
             if not pods:
                 return None
             base = self.sc.traffic.cpu + (self.sc.regression.cpu if self._regressed(pods[0]) else 0.0)
             return float(np.clip(base + self.rng.normal(0, 0.03), 0, None))
-        return None
+        raise ValueError(f"the simulator cannot compute a {s.kind!r} series ({s.key})")
 
     def _observe(self, now: float, measurements, answered: dict[str, str]) -> Observation:
         pods = []
@@ -328,9 +362,11 @@ class Simulation:
             if isinstance(a, PatchPod):
                 pod = self.pods[a.pod]
                 pod.revision = answered[a.pod] = with_patch(pod.revision, self.ref)
+                pod.compares = True           # swapped in while it runs: the old table stays to compare
             elif isinstance(a, UnpatchPod):
                 pod = self.pods[a.pod]
                 pod.revision = answered[a.pod] = without_patch(pod.revision, self.ref)
+                pod.compares = False          # an engine compares nothing after a revert
             elif isinstance(a, LabelPod):
                 self.pods[a.pod].track, self.pods[a.pod].patches = a.track, a.revision
             elif isinstance(a, SetWeight):

@@ -38,7 +38,8 @@ APPLY, REVERT = "apply", "revert"
 STEP_WINDOW = "step"
 
 # The built-in checks: what each measures and its defaults, spelled as in a manifest.
-#   rate:        canary errors / requests against an absolute limit, judged on counts with bounds
+#   rate:        canary errors / requests (output-divergence: divergent / compared requests) against an
+#                absolute limit, judged on counts with bounds
 #   difference:  canary error rate minus stable error rate, judged on counts with bounds
 #   quantile:    a latency quantile from a histogram, absolute (max) or relative to stable (maxRatio)
 #   utilisation: CPU seconds per second over the engine's CPU quota
@@ -50,6 +51,9 @@ BUILTIN_METRICS: dict[str, dict[str, Any]] = {
     "ttft-p99": {"kind": "quantile", "window": "60s"},
     "tpot-p99": {"kind": "quantile", "window": "60s"},
     "cpu": {"kind": "utilisation", "window": "120s"},
+    # the canary engines' own shadow comparisons (each compares a share of its finished requests with
+    # the table it ran before the patch): judged on the canary alone, over the step so far
+    "output-divergence": {"kind": "rate", "window": STEP_WINDOW},
 }
 # The default analysis for a rollout that names no checks and no template. Absolute latency depends
 # on hardware, model and prompts, so latency is judged against stable; errors both ways.
@@ -58,6 +62,10 @@ DEFAULT_BREAKERS: list[dict[str, Any]] = [
     {"name": "ttft-p99", "maxRatio": 1.5, "window": "30s", "consecutive": 3},
     {"name": "tpot-p99", "maxRatio": 1.3, "window": "30s", "consecutive": 3},
     {"name": "cpu", "max": 0.92, "window": "120s", "consecutive": 3},
+    # window: step. One breach rolls back: the window is cumulative, so consecutive breaches would
+    # count the same evidence again; rollbackConfidence 0.999 already guards against the repeated
+    # looks. 3 divergent of 3 compared requests (lower bound 10%) roll back, 1 or 2 of 2 do not.
+    {"name": "output-divergence", "max": 0.05, "consecutive": 1},
 ]
 DEFAULT_GATES: list[dict[str, Any]] = [
     {"name": "error-rate-delta", "max": 0.001},
@@ -769,6 +777,8 @@ def _check(r: _Reader, value: Any, path: str, role: str) -> Check | None:
         r.fail(f"{path}.min", "error-rate takes max; success-rate takes min")
     if metric == "success-rate" and hi is not None:
         r.fail(f"{path}.max", "success-rate takes min; error-rate takes max")
+    if metric == "output-divergence" and lo is not None:
+        r.fail(f"{path}.min", "output-divergence takes max: the share of compared requests that may diverge")
     if hi is None and lo is None and ratio is None and not r.errors_at(path):
         r.fail(path, "needs a threshold: max, min" + (" or maxRatio" if kind == "quantile" else ""))
     if lo is not None and hi is not None and lo > hi:

@@ -167,6 +167,8 @@ def _passing(check, requests: float) -> dict[str, float]:
     """Numbers that pass `check` comfortably, with `requests` behind every count."""
     n = float(requests)
     match check.kind:
+        case "rate" if check.metric == "output-divergence":
+            return {"canary_compared": n / 10, "canary_divergent": 0.0}
         case "rate":
             return {"canary_requests": n, "canary_matching": n if check.metric == "success-rate" else 0.0}
         case "difference":
@@ -187,6 +189,8 @@ def _failing(check, requests: float) -> dict[str, float]:
     n = float(requests)
     values = _passing(check, requests)
     match check.kind:
+        case "rate" if check.metric == "output-divergence":
+            values["canary_divergent"] = values["canary_compared"] / 2
         case "rate":
             values["canary_matching"] = n / 2
         case "difference":

@@ -24,6 +24,7 @@ ERR = next(c for c in A.breakers if c.name == "error-rate")           # max 0.00
 TTFT = next(c for c in A.breakers if c.name == "ttft-p99")            # maxRatio 1.5
 CPU = next(c for c in A.breakers if c.name == "cpu")                  # max 0.92
 DELTA = next(c for c in A.gates if c.name == "error-rate-delta")      # max 0.001, window step
+DIV = next(c for c in A.breakers if c.name == "output-divergence")    # max 0.05, consecutive 1, window step
 
 
 def checks(**analysis_fields):
@@ -157,6 +158,92 @@ def test_difference_gate_on_counts():
     assert worse.numbers["p_value"] < 1e-10
 
 
+# output divergence: the canary's shadow comparisons, judged on their counts
+(DIV_GATE,) = checks(gates=[{"name": "output-divergence", "max": 0.05}]).gates
+
+
+def shadow(divergent, compared):
+    return {"canary_compared": compared, "canary_divergent": divergent}
+
+
+def test_three_divergent_of_three_compared_roll_back_and_two_of_two_do_not():
+    assert breaker_breaches(3, 3, 0.05, 0.999) and not breaker_breaches(2, 2, 0.05, 0.999)
+    r = judge(DIV, shadow(3, 3))
+    assert (r.verdict, r.breaches, r.conclusive, r.role) == ("Failed", 1, True, "breaker")
+    assert r.message == ("output-divergence 3 divergent of 3 compared requests in the step so far (100%): above "
+                         "the 5% limit at 0.999 confidence (lower bound 10%) (breach 1/1)")
+    assert r.value == 1.0 and r.numbers == pytest.approx(
+        {"compared": 3, "divergent": 3, "share": 1.0, "lower": 0.1, "upper": 1.0, "limit": 0.05})
+    v, results = verdict(A, {DIV.key: shadow(3, 3)})
+    assert v == "Failed" and [r.name for r in analysis.failing(A, results)] == ["output-divergence"], \
+        "consecutive 1: the first breach rolls back"
+    for divergent, compared in ((1, 1), (1, 2), (2, 2)):
+        r = judge(DIV, shadow(divergent, compared))
+        assert (r.verdict, r.breaches) == ("Successful", 0), r.message
+        assert r.message.endswith(f"{divergent} divergent of {compared} compared requests in the step so far "
+                                  f"({divergent / compared:.0%}): not shown above the 5% limit")
+        assert verdict(A, {DIV.key: shadow(divergent, compared)})[0] == "Successful"
+
+
+@pytest.mark.parametrize("compared", [3, 10, 59, 1000, 20000])
+def test_divergence_breaker_flips_exactly_where_the_binomial_tail_says(compared):
+    first = next(k for k in range(compared + 1) if breaker_breaches(k, compared, 0.05, 0.999))
+    below, at = judge(DIV, shadow(first - 1, compared)), judge(DIV, shadow(first, compared))
+    assert (below.verdict, at.verdict) == ("Successful", "Failed"), first
+
+
+def test_divergence_gate_passes_once_none_in_n_compared_bounds_the_share_within_its_limit():
+    need = next(n for n in range(1, 10_000) if gate_holds(0, n, 0.05, 0.95))
+    assert need == stats.min_samples(0.05, 0.95) == 59
+    short = judge(DIV_GATE, shadow(0, need - 1))
+    assert (short.verdict, short.short, short.role) == ("Inconclusive", True, "gate")
+    assert short.message == ("output-divergence 0 divergent of 58 compared requests in the step so far (0%): upper "
+                             "bound 5.03% not yet within the 5% limit (about 59 compared requests without a "
+                             "divergence show it)")
+    ok = judge(DIV_GATE, shadow(0, need))
+    assert ok.verdict == "Successful" and ok.value == 0
+    assert ok.message == ("output-divergence 0 divergent of 59 compared requests in the step so far (0%): within "
+                          "the 5% limit at 0.95 confidence (upper bound 4.95%)")
+    # a few divergent requests among many: Successful once the upper bound is within the limit
+    assert judge(DIV_GATE, shadow(5, 1000)).verdict == "Successful"
+
+
+def test_divergence_gate_rolls_back_only_on_conclusive_evidence():
+    # 5 of 60 (8.3%): above the limit by the estimate, not beyond doubt: the step waits
+    assert not breaker_breaches(5, 60, 0.05, 0.999)
+    weak = judge(DIV_GATE, shadow(5, 60))
+    assert (weak.verdict, weak.conclusive) == ("Failed", False) and "not yet conclusively" in weak.message
+    # 2 of 10: too few to say either way
+    assert (judge(DIV_GATE, shadow(2, 10)).verdict, judge(DIV_GATE, shadow(2, 10)).short) == ("Inconclusive", True)
+    strong = judge(DIV_GATE, shadow(20, 60))
+    assert (strong.verdict, strong.conclusive) == ("Failed", True) and "at 0.999 confidence" in strong.message
+
+
+@pytest.mark.parametrize("values", [shadow(0, 0), shadow(None, None), {}, shadow(math.nan, math.nan)])
+@pytest.mark.parametrize("policy", ["hold", "fail"])
+def test_no_compared_requests_is_a_lack_of_traffic_and_holds_nothing(values, policy):
+    """Engines with nothing to compare against (stable pods, a canary restarted into the patch) and
+    steps without traffic yet export no comparison: never a breach, whatever noData says."""
+    a = checks(noData=policy)
+    prev = CheckResult("output-divergence", "Successful", "", "", role="breaker")
+    r = judge(DIV, values, prev, a=a)
+    assert (r.verdict, r.short, r.breaches, r.value) == ("Inconclusive", True, 0, None)
+    assert r.message == "output-divergence: no compared requests in the step so far"
+    assert verdict(a, {DIV.key: values})[0] == "Successful", "a breaker without data holds nothing"
+
+
+def test_divergence_is_judged_on_the_canary_alone_with_or_without_stable_pods():
+    assert not DIV.comparison
+    assert judge(DIV, shadow(3, 3), stable_pods=False).verdict == "Failed"
+    assert judge(DIV, shadow(0, 100), stable_pods=False).verdict == "Successful"
+
+
+def test_a_rate_over_the_step_says_so():
+    (so_far,) = checks(breakers=[{"name": "error-rate", "max": 0.005, "window": "step"}]).breakers
+    r = judge(so_far, {"canary_requests": 40, "canary_matching": 1})
+    assert "(1 errors of 40 canary requests in the step so far)" in r.message
+
+
 # latency and values
 def test_quantile_ratio_against_stable():
     ok = judge(TTFT, {"canary_quantile": 0.30, "canary_samples": 500, "stable_quantile": 0.25, "stable_samples": 900})
@@ -285,6 +372,18 @@ def test_quantile_check_plans_the_median_of_each_pods_p99_and_its_samples():
     assert {s.key for s in plan(absolute, CTX, 30)} == {"canary_quantile", "canary_samples"}
 
 
+def test_output_divergence_plans_the_canarys_compared_and_divergent_shadow_requests():
+    series = {s.key: s for s in plan(DIV, CTX, 95)}
+    assert set(series) == {"canary_compared", "canary_divergent"}
+    assert series["canary_compared"].promql == (
+        'sum(increase(graft_shadow_requests_total{namespace="llm",revision="kv@1",result=~"agree|divergent"}[95s]))')
+    assert series["canary_divergent"].promql == (
+        'sum(increase(graft_shadow_requests_total{namespace="llm",revision="kv@1",result="divergent"}[95s]))')
+    assert {(s.kind, s.side, s.status) for s in series.values()} == {("shadow", "canary", "compared"),
+                                                                      ("shadow", "canary", "divergent")}
+    assert not any("base" in s.promql for s in series.values()), "no stable side: the engine compares itself"
+
+
 def test_cpu_check_joins_process_metrics_to_the_canary_revision():
     (s,) = plan(CPU, CTX, 120)
     assert s.key == "value" and "process_cpu_seconds_total" in s.promql and "[120s]" in s.promql
@@ -308,6 +407,7 @@ def test_plan_run_windows_a_step_check_by_the_time_the_step_has_been_in_place():
     status = RolloutStatus(canary_revision="kv-align@3.2.1", stable_revision="base", step_ready_at=100.0)
     windows = {c.key: {s.window for s in series} for c, series in plan_run(SPEC, status, "llm", 163.2)}
     assert windows[DELTA.key] == {64.0}, "since the step was in place, rounded up"
+    assert windows[DIV.key] == {64.0}, "output-divergence too: the evidence of the whole step"
     assert windows[ERR.key] == {60.0}
     assert window_of(DELTA, SPEC, status, 101) == SPEC.analysis.interval, "at least one interval"
     promql = [s.promql for _, series in plan_run(SPEC, status, "llm", 163.2) for s in series]

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from graft.devcluster.crd import check, served_versions
-from graft.rollout.spec import DEFAULTS, SpecError, parse_spec
+from graft.rollout.spec import BUILTIN_METRICS, DEFAULTS, SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "patchrollout.yaml").read_text())
@@ -122,6 +122,10 @@ VALID = [
                                  {"name": "errors", "metric": "error-rate", "max": 0.01, "window": "step"},
                                  {"name": "success-rate", "min": 0.999}]},
              progressDeadline="1h", paused=True),
+    manifest(analysis={"breakers": [{"name": "output-divergence", "max": 0.05, "consecutive": 1}],
+                       "gates": [{"name": "output-divergence", "max": 0.01, "window": "10m"},
+                                 {"name": "divergence-trial", "metric": "output-divergence", "max": 0.001,
+                                  "dryRun": True}]}),
 ]
 
 
@@ -194,6 +198,9 @@ def test_invalid_manifests_are_refused_by_the_api_server_and_the_spec_model(what
     ("a gate counting breaches", {"gates": [{"name": "error-rate-delta", "max": 0.001, "consecutive": 3}]},
      "spec.analysis.gates[0].consecutive"),
     ("an error rate above 1", {"breakers": [{"name": "error-rate", "max": 5}]}, "spec.analysis.breakers[0]"),
+    ("a divergent share above 1", {"gates": [{"name": "output-divergence", "max": 1.5}]}, "spec.analysis.gates[0]"),
+    ("a divergent share with a min", {"breakers": [{"name": "output-divergence", "min": 0.01}]},
+     "spec.analysis.breakers[0].min"),
     ("cpu against stable", {"breakers": [{"name": "cpu", "maxRatio": 1.2}]}, "spec.analysis.breakers[0].maxRatio"),
     ("window 'step' on a quantile", {"breakers": [{"name": "tpot-p99", "maxRatio": 1.2, "window": "step"}]},
      "spec.analysis.breakers[0].window"),
@@ -222,6 +229,43 @@ TEMPLATE_SPEC = {
                  {"name": "kv", "max": 0.25, "query": 'max(x{job="{{args.job}}",t="{{args.tenant}}"})'}],
     "gates": [{"name": "success-rate", "min": 0.9995, "window": "60s"}],
 }
+
+
+def check_schemas():
+    """Every check schema the CRDs hold: a rollout's breakers and gates, each template kind's."""
+    rollout = VERSION["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["analysis"]["properties"]
+    out = {f"PatchRollout {k}": rollout[k]["items"] for k in ("breakers", "gates")}
+    for crd in TEMPLATE_CRDS:
+        spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        out |= {f"{crd['spec']['names']['kind']} {k}": spec[k]["items"] for k in ("breakers", "gates")}
+    return out
+
+
+@pytest.mark.parametrize("where", list(check_schemas()))
+def test_every_check_schema_names_and_describes_every_builtin_metric(where):
+    """The enum, the CEL rule that lets a built-in name stand without a query, and the descriptions
+    `kubectl explain` prints all know each built-in metric the spec model knows."""
+    schema = check_schemas()[where]
+    metric = schema["properties"]["metric"]
+    assert metric["enum"] == list(BUILTIN_METRICS)
+    for name in BUILTIN_METRICS:
+        assert name in metric["description"], name
+    (builtin_rule,) = [r["rule"] for r in schema["x-kubernetes-validations"] if "self.name in" in r["rule"]]
+    assert builtin_rule.endswith("[" + ", ".join(f"'{n}'" for n in BUILTIN_METRICS) + "]")
+    for field in ("max", "window"):
+        assert "output-divergence" in schema["properties"][field]["description"], field
+
+
+@pytest.mark.parametrize("kind", ["PatchAnalysisTemplate", "ClusterPatchAnalysisTemplate"])
+def test_a_template_may_carry_output_divergence(kind):
+    obj = template(kind, breakers=[{"name": "output-divergence", "max": 0.05, "consecutive": 1}],
+                   gates=[{"name": "output-divergence", "max": 0.02}])
+    assert errors(obj, TEMPLATES[kind]) == []
+    cluster = kind.startswith("Cluster")
+    rollout = manifest(analysis={"templates": [{"name": "gpu-checks", "clusterScope": cluster}]})
+    spec = parse_spec(stored(rollout)["spec"], {("gpu-checks", cluster): stored(obj, TEMPLATES[kind])["spec"]})
+    assert [(c.key, c.max, c.window) for c in spec.analysis.checks] == [
+        ("breaker/output-divergence", 0.05, None), ("gate/output-divergence", 0.02, None)]
 
 
 @pytest.mark.parametrize("kind", ["PatchAnalysisTemplate", "ClusterPatchAnalysisTemplate"])

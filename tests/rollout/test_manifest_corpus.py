@@ -152,6 +152,11 @@ VALID_EDGES = [
     ("gateway", setting("trafficRouting", {"gatewayAPI": {"httpRoute": "r", "stableService": "s",
                                                           "canaryService": "c"}})),
     ("breaker-and-gate-share-a-name", setting("analysis.gates", [{"name": "tpot-p99", "maxRatio": 1.2}])),
+    ("output-divergence-both-roles", setting("analysis", {
+        "breakers": [{"name": "output-divergence", "max": 0.05, "consecutive": 1}],
+        "gates": [{"name": "output-divergence", "max": 0.01, "window": "step"}]})),
+    ("output-divergence-by-metric-dry-run", setting("analysis.breakers.1", {
+        "name": "divergence-trial", "metric": "output-divergence", "max": 1, "window": "5m", "dryRun": True})),
 ]
 
 

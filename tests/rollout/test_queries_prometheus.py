@@ -1,5 +1,5 @@
 """Every query the analysis can plan is accepted by a real Prometheus (the Debian package's), and the
-built-in cpu check is evaluated on real scrapes."""
+built-in cpu and output-divergence checks are evaluated on real scrapes."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +43,9 @@ def prometheus():
 def test_every_planned_query_is_valid_promql(prometheus):
     ctx = Context("llm", 'kv-align@3.2.1,"odd"', "base", "kv-align", "3.2.1")
     seen = 0
-    for check in every_check():
+    checks = every_check()
+    assert {c.metric for c in checks} == {*BUILTIN_METRICS, "custom"}, "every built-in check is planned"
+    for check in checks:
         for series in plan(check, ctx, 90.0):
             r = httpx.get(f"{prometheus.url}/api/v1/query", params={"query": series.promql}).json()
             assert r["status"] == "success", (check.key, series.key, series.promql, r.get("error"))
@@ -51,26 +53,24 @@ def test_every_planned_query_is_valid_promql(prometheus):
     assert seen >= 20
 
 
-class CpuTargets:
-    """Two engines' /metrics as Prometheus scrapes them, on threads of their own: the canary uses
-    0.5 of its 2-core quota's seconds each second (a share of 0.25), the stable one 1.8 (0.9)."""
+class MetricsTargets:
+    """Engines' /metrics as Prometheus scrapes them, each on a thread of its own: `body(seconds)`
+    gives an engine's exposition `seconds` after the start."""
 
-    def __init__(self):
+    def __init__(self, *bodies):
         self.started = time.monotonic()
-        self.servers = [self._serve("kv-align@3.2.1", 0.5), self._serve("base", 1.8)]
+        self.servers = [self._serve(body) for body in bodies]
 
-    def _serve(self, revision: str, cores: float) -> ThreadingHTTPServer:
+    def _serve(self, body) -> ThreadingHTTPServer:
         started = self.started
 
         class Metrics(BaseHTTPRequestHandler):
             def do_GET(self):
-                body = (f"process_cpu_seconds_total {cores * (time.monotonic() - started):.6f}\n"
-                        "graft_cpu_quota_cores 2\n"
-                        f'graft_engine_revision_info{{revision="{revision}"}} 1\n').encode()
+                text = body(time.monotonic() - started).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(text)
 
             def log_message(self, *args):
                 pass
@@ -88,10 +88,62 @@ class CpuTargets:
             server.server_close()
 
 
+def shadow_engine(revision: str, per_second: dict[str, float]):
+    """An engine's shadow comparison counter: `per_second` comparisons of each result."""
+    def body(seconds: float) -> str:
+        return "".join(f'graft_shadow_requests_total{{revision="{revision}",result="{result}"}} {rate * seconds:.3f}\n'
+                       for result, rate in per_second.items())
+    return body
+
+
+def test_the_builtin_output_divergence_check_counts_the_canarys_comparisons_alone(prometheus):
+    """The output-divergence queries, planned as the analysis plans them, count the canary engine's
+    agreeing and divergent comparisons (not its failed ones, not the stable engine's), and the share
+    they give is judged: 1 divergent a second of 4 compared is a quarter, shown above 5% by the 10 of
+    40 a 10 s window holds."""
+    targets = MetricsTargets(
+        shadow_engine("kv-align@3.2.1", {"agree": 3.0, "divergent": 1.0, "error": 5.0}),
+        shadow_engine("base", {"agree": 0.0, "divergent": 10.0, "error": 0.0}))
+    try:
+        prometheus.set_targets([(a, {"namespace": "llm"}) for a in targets.addresses])
+        analysis = parse_spec({"selector": {"matchLabels": {"app": "llm"}},
+                               "patch": {"name": "kv-align", "version": "3.2.1"}}).analysis
+        (check,) = [c for c in analysis.breakers if c.name == "output-divergence"]
+        series = plan(check, Context("llm", "kv-align@3.2.1", "base", "kv-align", "3.2.1"), 10.0)
+        deadline, values = time.monotonic() + 40, {}
+        # increase() extrapolates to the window's edges: the counts read about 40 and 10, the share 0.25
+        while not values or values["canary_compared"] < 30 or \
+                abs(values["canary_divergent"] / values["canary_compared"] - 0.25) > 0.03:
+            assert time.monotonic() < deadline, values
+            values = {}
+            for s in series:
+                result = httpx.get(f"{prometheus.url}/api/v1/query", params={"query": s.promql}).json()
+                assert result["status"] == "success", result
+                got = result["data"]["result"]
+                values[s.key] = float(got[0]["value"][1]) if got else 0.0
+            time.sleep(0.5)
+        r = judge(check, Measurement(check.key, values), analysis, previous=None, stable_pods=True)
+        assert (r.verdict, r.breaches) == ("Failed", 1), r.message
+        assert r.numbers["share"] == pytest.approx(0.25, abs=0.03)
+    finally:
+        prometheus.set_targets([])
+        targets.close()
+
+
+def cpu_engine(revision: str, cores: float):
+    """An engine using `cores` of its 2-core quota's seconds each second."""
+    def body(seconds: float) -> str:
+        return (f"process_cpu_seconds_total {cores * seconds:.6f}\n"
+                "graft_cpu_quota_cores 2\n"
+                f'graft_engine_revision_info{{revision="{revision}"}} 1\n')
+    return body
+
+
 def test_the_builtin_cpu_check_is_evaluated_on_the_canary_engines_alone(prometheus):
     """The cpu breaker's query, planned as the analysis plans it, answers the canary's share of its
     quota from real scrapes (not the stable engine's, not an average of both), and is judged."""
-    targets = CpuTargets()
+    # the canary uses 0.5 of its 2-core quota's seconds each second (a share of 0.25), the stable one 1.8 (0.9)
+    targets = MetricsTargets(cpu_engine("kv-align@3.2.1", 0.5), cpu_engine("base", 1.8))
     try:
         prometheus.set_targets([(a, {"namespace": "llm"}) for a in targets.addresses])
         analysis = parse_spec({"selector": {"matchLabels": {"app": "llm"}},

@@ -1,14 +1,25 @@
 """The default analysis, judged by the simulator: what a user would check before trusting it.
 
 Each scenario runs the real decision code (decide, the judge, the statistics) against a simulated
-fleet of 100 requests/s for 20 seeds: a neutral patch must be promoted, a bad one never.
+fleet of 100 requests/s for 20 seeds: a neutral patch must be promoted, a bad one never. Every
+scenario's patched engines compare a share of their requests with their previous table, 0.5% of
+them divergent (the Traffic default: a good bf16 patch flags a few long requests near ties).
 """
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from graft.rollout.simulate import Regression, Scenario, Traffic, simulate, summarise
-from graft.rollout.spec import parse_spec
+import pytest
+import yaml
+from rich.console import Console
+
+from graft.api import has_patch
+from graft.operator.simulate_cli import main as simulate_cli, parse_regression
+from graft.rollout.queries import Context, plan
+from graft.rollout.simulate import Regression, Scenario, Simulation, Traffic, simulate, summarise
+from graft.rollout.spec import BUILTIN_METRICS, parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SEEDS = 20
 FLEETS = [pytest.param(10, False, id="10-pods-pod-ratio"), pytest.param(3, False, id="3-pods-pod-ratio"),
@@ -49,6 +60,152 @@ def test_a_clearly_bad_patch_is_rolled_back_at_the_first_or_second_step(pods, ga
     outcomes = run(pods, gateway, Traffic(error_rate=0.0005), regression)
     assert all(o.phase == "RolledBack" and o.step <= 2 for o in outcomes), \
         [(o.phase, o.step, o.message) for o in outcomes]
+
+
+def blamed(outcome) -> str:
+    """The check a rollback is blamed on ("breaker ttft-p99: ...", in the final message)."""
+    return outcome.message.split(": ", 1)[1] if ": " in outcome.message else outcome.message
+
+
+@pytest.mark.parametrize("pods,gateway", FLEETS[:2])
+def test_a_ttft_regression_is_rolled_back_by_the_ttft_breaker(pods, gateway):
+    """First tokens twice as slow (TPOT as before): only the TTFT breaker can see it."""
+    outcomes = run(pods, gateway, Traffic(error_rate=0.0005), Regression(ttft=2.0))
+    assert all(o.phase == "RolledBack" and o.step <= 2 and blamed(o).startswith("breaker ttft-p99")
+               for o in outcomes), [(o.phase, o.step, o.message) for o in outcomes]
+
+
+def test_the_default_traffic_flags_half_a_percent_of_compared_requests():
+    t = Traffic()
+    assert (t.divergence, t.shadow_rate, t.shadow_floor) == (0.005, 0.1, 4.0), "the engine's floor: 4 a minute"
+
+
+def test_a_good_patch_flagging_a_few_requests_is_promoted_with_its_comparisons_judged():
+    """10 pods, 100 requests/s, 0.5% of compared requests divergent: promoted, and not for lack of
+    evidence: the canaries compared thousands of requests, a few of them divergent, and the
+    breaker's last run judged them."""
+    spec, promoted = default_spec(False), 0
+    for seed in range(SEEDS):
+        sim = Simulation(spec, Scenario(pods=10, traffic=Traffic(error_rate=0.0005, divergence=0.005)), seed)
+        outcome = sim.run()
+        if outcome.phase != "Promoted":
+            continue
+        promoted += 1
+        last = sim.status.analysis.result("output-divergence", "breaker")
+        assert last.verdict == "Successful" and last.numbers["compared"] > 0, last.message
+        canary = sim.status.canary_revision
+        compared, divergent = (sim.counters.increase(canary, k, outcome.seconds, outcome.seconds)[0]
+                               for k in ("compared", "divergent"))
+        assert compared > 5000 and 0 < divergent < 0.01 * compared, (compared, divergent)
+    assert promoted >= 19
+
+
+DEV_CLUSTER = ROOT / "examples" / "rollout-dev-cluster.yaml"
+
+
+def example_spec(path: Path):
+    return parse_spec(yaml.safe_load(path.read_text())["spec"])
+
+
+def divergent(spec, pods: int, rps: float, share: float = 0.6):
+    sc = Scenario(pods=pods, traffic=Traffic(rps=rps, error_rate=0.0005), regression=Regression(divergence=share))
+    return simulate(spec, sc, SEEDS)
+
+
+@pytest.mark.parametrize("pods,rps", [pytest.param(10, 100.0, id="10-pods-100-rps"),
+                                      pytest.param(3, 2.0, id="3-pods-2-rps-the-dev-cluster")])
+def test_divergent_outputs_are_rolled_back_at_the_first_step(pods, rps):
+    """60% of the canary's compared requests divergent: the default output-divergence breaker rolls
+    it back at the first step, on a fleet of 100 requests a second and on the dev cluster's two."""
+    outcomes = divergent(default_spec(False), pods, rps)
+    assert all(o.phase == "RolledBack" and o.step == 1 and blamed(o).startswith("breaker output-divergence")
+               for o in outcomes), [(o.phase, o.step, o.message) for o in outcomes]
+
+
+def test_the_dev_cluster_example_rolls_back_a_patch_whose_every_answer_diverges():
+    """Its 30 s pauses leave a canary comparing 4 requests a minute about two a step, and 3 of 3 is
+    the least evidence that rolls back: a patch whose every answer diverges is rolled back before it
+    reaches the last step, 60% divergent only most of the time (the example's comment says so)."""
+    spec = example_spec(DEV_CLUSTER)
+    outcomes = divergent(spec, 3, 2.0, share=1.0)
+    assert all(o.phase == "RolledBack" and o.step <= 4 and blamed(o).startswith("breaker output-divergence")
+               for o in outcomes), [(o.phase, o.step, o.message) for o in outcomes]
+    assert summarise(divergent(spec, 3, 2.0)).rolled_back >= 12
+
+
+def test_the_dev_cluster_example_still_promotes_a_good_patch():
+    sc = Scenario(pods=3, traffic=Traffic(rps=2.0, error_rate=0.0005))
+    assert summarise(simulate(example_spec(DEV_CLUSTER), sc, SEEDS)).promoted >= 19
+
+
+def test_the_simulator_answers_every_series_the_plan_asks_for():
+    """Every built-in check's numbers, computed from the simulated counters: none left unanswered
+    once canary and stable pods have served (the shadow comparisons of the canary included)."""
+    checks = [{"name": n, "maxRatio": 10} if b["kind"] == "quantile" else
+              {"name": n, "min": 0.01} if n == "success-rate" else {"name": n, "max": 0.99}
+              for n, b in BUILTIN_METRICS.items()]
+    spec = parse_spec({"selector": {"matchLabels": {"app": "llm-engine"}},
+                       "patch": {"name": "kv-align", "version": "3.2.1"},
+                       "steps": [{"weight": 50, "pause": "1h"}, {"weight": 100}],
+                       "analysis": {"breakers": checks}})
+    sim = Simulation(spec, Scenario(pods=2, traffic=Traffic(rps=100.0)), 0)
+    now = 0.0
+    sim.counters.snapshot(now)
+    sim._tick(now)
+    while now < 150:
+        now += 5.0
+        sim._serve(now, 5.0)
+        sim.counters.snapshot(now)
+        sim._tick(now)
+    assert sim.status.phase == "Progressing" and sim.status.step_index == 0, sim.status.message
+    assert has_patch(sim.status.canary_revision, spec.patch.ref)
+    measured = {m.check: m.values for m in sim._measure(now)}
+    assert set(measured) == {c.key for c in spec.analysis.checks}
+    for check in spec.analysis.checks:
+        asked = {s.key for s in plan(check, Context("sim", "c", "s"), 60.0)}
+        assert set(measured[check.key]) == asked, check.key
+        assert all(v is not None and v >= 0 for v in measured[check.key].values()), (check.key, measured[check.key])
+    divergence = measured["breaker/output-divergence"]
+    assert divergence["canary_compared"] > 100 and divergence["canary_divergent"] <= divergence["canary_compared"]
+
+
+def test_only_engines_that_took_the_patch_while_running_compare():
+    """Stable pods have nothing to compare against, nor has a canary restarted into the patch, nor
+    an engine the patch was taken out of (graft.engine.shadow compares nothing after a revert)."""
+    spec = default_spec(False)
+    sc = Scenario(pods=10, traffic=Traffic(error_rate=0.0005), regression=Regression(divergence=0.6),
+                  restarts_per_hour=0.0)
+    sim = Simulation(spec, sc, 0)
+    sim.run()
+    stable = sim.status.stable_revision
+    assert sim.counters.increase(stable, "compared", 1e9, 1e9)[0] == 0
+    assert sim.counters.increase(sim.status.canary_revision, "compared", 1e9, 1e9)[0] > 0
+    assert sim.status.phase == "RolledBack" and not any(p.compares for p in sim.pods.values()), "reverted"
+    # a restart brings the container back running its annotation, with no earlier table
+    pod = next(p for p in sim.pods.values())
+    pod.compares, sim.sc.restarts_per_hour = True, 1e9
+    sim._churn(1e9, 5.0)
+    assert not pod.compares
+
+
+def test_the_cli_reads_every_regression_kind():
+    assert parse_regression("ttft=2") == Regression(ttft=2.0)
+    assert parse_regression("divergence=0.6,from-step=2") == Regression(divergence=0.6, from_step=2)
+    assert parse_regression("errors=0.02,tpot=1.5,cpu=0.3") == Regression(errors=0.02, tpot=1.5, cpu=0.3)
+
+
+def test_graft_rollout_simulate_catches_a_ttft_regression_and_divergent_outputs():
+    console = Console(record=True, width=200, force_terminal=False)
+    code = simulate_cli(["-f", str(ROOT / "examples" / "rollout-defaults.yaml"), "--seeds", "4",
+                         "--bad", "ttft=2", "--bad", "divergence=0.6"], console)
+    out = console.export_text()
+    assert code == 0, out
+    assert "chance of catching a bad one (TTFT x2): 100% (4/4; 4 rolled back, 0 paused)" in out, out
+    assert "chance of catching a bad one (60% divergent outputs): 100% (4/4; 4 rolled back, 0 paused)" in out, out
+    for bad, why in (("divergence=1.5", "divergence is a share between 0 and 1"), ("shade=1", "unknown 'shade'")):
+        console = Console(record=True, width=200, force_terminal=False)
+        assert simulate_cli(["-f", str(DEV_CLUSTER), "--bad", bad], console) == 2
+        assert why in console.export_text()
 
 
 @pytest.mark.parametrize("pods,gateway", FLEETS)

@@ -43,14 +43,19 @@ def test_minimal_spec_gets_the_documented_defaults():
         ("breaker", "ttft-p99"): ("ttft-p99", None, None, 1.5, 30, 3),
         ("breaker", "tpot-p99"): ("tpot-p99", None, None, 1.3, 30, 3),
         ("breaker", "cpu"): ("cpu", 0.92, None, None, 120, 3),
+        ("breaker", "output-divergence"): ("output-divergence", 0.05, None, None, None, 1),
         ("gate", "error-rate-delta"): ("error-rate-delta", 0.001, None, None, None, 1),
         ("gate", "tpot-p99"): ("tpot-p99", None, None, 1.2, 60, 1),
     }
-    assert [c.key for c in a.breakers] == ["breaker/error-rate", "breaker/ttft-p99", "breaker/tpot-p99", "breaker/cpu"]
+    assert [c.key for c in a.breakers] == ["breaker/error-rate", "breaker/ttft-p99", "breaker/tpot-p99", "breaker/cpu",
+                                           "breaker/output-divergence"]
     assert [c.key for c in a.gates] == ["gate/error-rate-delta", "gate/tpot-p99"]
     delta = by_key(a)["gate/error-rate-delta"]
     assert delta.window_text == "step" and delta.kind == "difference" and delta.comparison
     assert not by_key(a)["breaker/error-rate"].comparison and by_key(a)["breaker/ttft-p99"].comparison
+    divergence = by_key(a)["breaker/output-divergence"]
+    assert (divergence.kind, divergence.window_text, divergence.threshold) == ("rate", "step", "<= 0.05")
+    assert not divergence.comparison, "judged on the canary alone: never skipped once no stable pod is left"
 
 
 def test_builtin_check_takes_its_kind_and_window_from_its_name():
@@ -70,6 +75,24 @@ def test_a_check_may_name_its_metric_and_window_step():
     slo, so_far = a.breakers
     assert (slo.name, slo.metric, slo.kind, slo.max, slo.window) == ("ttft-slo", "ttft-p99", "quantile", 0.5, 120)
     assert (so_far.metric, so_far.window, so_far.window_text) == ("error-rate", None, "step")
+
+
+def test_output_divergence_is_a_canary_share_in_either_role():
+    """A counts check on the canary's shadow comparisons: a breaker or a gate, by its name or as the
+    metric of a check named otherwise, dry run or not; over the step so far unless it says."""
+    a = analysis(breakers=[{"name": "output-divergence", "max": 0.05, "consecutive": 1},
+                           {"name": "divergence-trial", "metric": "output-divergence", "max": 0.01,
+                            "window": "5m", "dryRun": True}],
+                 gates=[{"name": "output-divergence", "max": 0.02}])
+    breaker, trial = a.breakers
+    (gate,) = a.gates
+    assert (breaker.metric, breaker.kind, breaker.window, breaker.window_text, breaker.consecutive) == \
+        ("output-divergence", "rate", None, "step", 1)
+    assert (trial.metric, trial.max, trial.window, trial.dry_run) == ("output-divergence", 0.01, 300, True)
+    assert (gate.key, gate.max, gate.window, gate.comparison) == ("gate/output-divergence", 0.02, None, False)
+    # the edges of a share are limits it may have: 0 (no divergence at all) and 1 (never acts)
+    edges = analysis(breakers=[{"name": "output-divergence", "max": 0}], gates=[{"name": "output-divergence", "max": 1}])
+    assert [c.max for c in edges.checks] == [0, 1]
 
 
 def test_a_breaker_and_a_gate_may_share_a_name():
@@ -230,6 +253,14 @@ def gt(**check):
     (br(name="error-rate", min=0.1), "spec.analysis.breakers[0].min", "error-rate takes max"),
     (br(name="success-rate", max=0.1), "spec.analysis.breakers[0].max", "success-rate takes min"),
     (br(name="cpu", maxRatio=1.2), "spec.analysis.breakers[0].maxRatio", "only latency quantiles"),
+    (br(name="output-divergence", max=1.5), "spec.analysis.breakers[0]", "between 0 and 1"),
+    (gt(name="output-divergence", max=-0.1), "spec.analysis.gates[0].max", "at least 0"),
+    (br(name="output-divergence", min=0.01, max=0.05), "spec.analysis.breakers[0].min",
+     "output-divergence takes max"),
+    (gt(name="output-divergence"), "spec.analysis.gates[0]", "needs a threshold"),
+    (br(name="output-divergence", maxRatio=1.1), "spec.analysis.breakers[0].maxRatio", "only latency quantiles"),
+    (br(name="shadow", metric="output-divergence", max=0.05, query="up"), "spec.analysis.breakers[0].query",
+     "takes no query"),
     (br(name="tpot-p99", maxRatio=0), "spec.analysis.breakers[0].maxRatio", "greater than 0"),
     (br(name="error-rate-delta", min=0.001), "spec.analysis.breakers[0].max", "required"),
     (br(name="cpu", max=0.9, window="0s"), "spec.analysis.breakers[0].window", "at least 1s"),
