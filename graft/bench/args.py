@@ -64,12 +64,13 @@ def _spec(values: Mapping[str, int]) -> str:
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("suite", nargs="?", default="all",
-                   choices=["all", "throughput", "patches", "apply", "kernels", "workload"],
+                   choices=["all", "throughput", "patches", "apply", "kernels", "workload", "shadow"],
                    help="throughput: the engine against a baseline on BBH CoT prompts; patches: the 3.2.1 set vs "
                         "the plain 3.2.0 paths; apply: hot-patch apply latency under load; kernels: the Triton "
                         "kernels against their torch twins (a GPU; on a CPU a small smoke run in the interpreter); "
                         "workload: BBH, GSM8K and HumanEval alone vs mixed, and a concurrency sweep (not in all: "
-                        "it runs for many minutes)")
+                        "it runs for many minutes); shadow: what the shadow comparison of a patched engine costs "
+                        "its clients, off vs on (not in all; -n 48 and --rounds 2 make a useful run)")
     p.add_argument("--data-dir", default=None,
                    help="folder holding bbh/ (and gsm8k/, humaneval/ for the workload suite; default: "
                         "$GRAFT_DATA_DIR)")

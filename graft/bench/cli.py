@@ -1,4 +1,4 @@
-"""`graft bench [all|throughput|patches|apply|kernels|workload]`: run the suites, print tables, write JSON and PNGs."""
+"""`graft bench [all|throughput|patches|apply|kernels|workload|shadow]`: run the suites, print tables, write JSON and PNGs."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +25,7 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     # a malformed list fails here, not after minutes of benchmarking
     patches = parse_patch_list(args.patches)
-    if not patches and args.suite in ("patches", "apply"):
+    if not patches and args.suite in ("patches", "apply", "shadow"):
         raise ValueError(f"the {args.suite} suite needs patches to compare and apply: --patches names none")
     parse_patch_list(args.baseline_patches)
     if (args.baseline_engine_args or args.baseline_patches) and args.baseline != "engine":
@@ -92,6 +92,13 @@ def _run(suite: str, args: argparse.Namespace, dtype: str, data_dir: str | None,
             sweep_waves=args.sweep_waves, max_tokens=args.max_tokens, rounds=args.rounds, data_dir=data_dir,
             engine_args=engine_flags(args, max(sum(args.class_concurrency.values()), *args.sweep)), dtype=dtype), out)
         return result["errors"]
+    if suite == "shadow":
+        from graft.bench.shadow import ShadowBenchConfig, run_shadow
+        result = run_shadow(ShadowBenchConfig(
+            num_prompts=args.num_prompts, concurrency=args.concurrency, max_tokens=args.max_tokens,
+            rounds=args.rounds, patch_set=args.patches, data_dir=data_dir, engine_args=engine_argv(args),
+            dtype=dtype), out)
+        return result["on"]["errors"] + result["off"]["errors"]
     if suite == "throughput":
         from graft.bench.throughput import ThroughputConfig, run_throughput
         workloads = ["mixed", "one-task"] if args.workload == "both" else [args.workload]

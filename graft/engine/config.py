@@ -38,6 +38,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     threads: int = 0                    # torch intra-op threads of the model; 0: torch's default (one per core)
     seed: int = 0
+    # shadow comparison after a patch (graft.engine.shadow): the share of requests recorded, the
+    # share of wall time the comparisons may take, the comparisons a minute that run beyond it, and
+    # the longest request compared (KV blocks are kept aside for it)
+    shadow_rate: float = 1.0
+    shadow_budget: float = 0.03
+    shadow_floor: float = 6.0
+    shadow_max_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 64:
@@ -48,6 +55,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype}")
         if self.threads < 0:
             raise ValueError(f"threads must be 0 (torch's default) or more, got {self.threads}")
+        if not 0 <= self.shadow_rate <= 1:
+            raise ValueError(f"shadow_rate must be within [0, 1], got {self.shadow_rate}")
+        if not 0 <= self.shadow_budget <= 1:
+            raise ValueError(f"shadow_budget must be within [0, 1], got {self.shadow_budget}")
+        if not 0 <= self.shadow_floor <= 600:
+            raise ValueError(f"shadow_floor must be within [0, 600] a minute, got {self.shadow_floor}")
+        if self.shadow_max_tokens < 0:
+            raise ValueError(f"shadow_max_tokens must be 0 (off) or more, got {self.shadow_max_tokens}")
         if self.paths not in PATHS_CHOICES:
             raise ValueError(f"paths must be one of {', '.join(PATHS_CHOICES)}, got {self.paths}")
         if self.dtype == "auto":
@@ -126,6 +141,16 @@ def parse_size(text: str | int) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 512M or 2G") from None
 
 
+def _fraction(text: str | float) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not within [0, 1]")
+    return value
+
+
 def _default(name: str):
     return next(f.default for f in fields(EngineConfig) if f.name == name)
 
@@ -163,6 +188,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=_default("threads"),
                    help="torch threads for the model (default 0: one per core); the HTTP server, tokenizer "
                         "and step loop run beside them")
+    s = p.add_argument_group("shadow comparison (after an apply, answers compared with the previous table)")
+    s.add_argument("--shadow-rate", type=_fraction, default=os.environ.get("GRAFT_SHADOW_RATE", _default("shadow_rate")),
+                   help="share of requests recorded for comparison, 0 turns shadowing off (env GRAFT_SHADOW_RATE, "
+                        "which the chart fills from the pod annotation graft.dev/shadow-rate)")
+    s.add_argument("--shadow-budget", type=_fraction, default=_default("shadow_budget"),
+                   help="share of wall time the comparisons may take")
+    s.add_argument("--shadow-floor", type=float, default=_default("shadow_floor"),
+                   help="comparisons a minute that run even beyond the budget")
+    s.add_argument("--shadow-max-tokens", type=int, default=_default("shadow_max_tokens"),
+                   help="longest request (prompt and output) compared; KV blocks for it are kept aside")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -171,7 +206,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                         block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
-                        enable_prefix_caching=not args.no_prefix_caching, threads=args.threads)
+                        enable_prefix_caching=not args.no_prefix_caching, threads=args.threads,
+                        shadow_rate=_fraction(args.shadow_rate), shadow_budget=args.shadow_budget,
+                        shadow_floor=args.shadow_floor, shadow_max_tokens=args.shadow_max_tokens)
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

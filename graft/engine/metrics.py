@@ -30,8 +30,10 @@ def geometric_buckets(start: float, stop: float, factor: float) -> tuple[float, 
 
 TOKEN_BUCKETS = geometric_buckets(0.001, 5.0, 1.2)        # 1 ms .. 5.266 s, 48 buckets
 LATENCY_BUCKETS = geometric_buckets(0.005, 120.0, 1.25)   # 5 ms .. 114.8 s, 46 buckets
+DIVERGENCE_BUCKETS = geometric_buckets(1e-6, 10.0, 10 ** 0.5)   # nats: 1e-6 .. 10, two buckets a decade
 APPLY_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.25, 0.5, 1.0, 5.0)
 STATUSES = ("ok", "error", "rejected", "abandoned")   # abandoned: the client hung up first
+SHADOW_RESULTS = ("agree", "divergent", "error")     # graft.engine.shadow's verdicts
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -119,6 +121,18 @@ class EngineMetrics:
                                       ["name", "reason"], registry=r)
         self.revision_info = Gauge("graft_engine_revision_info", "The engine's current revision.",
                                    ["revision"], registry=r)
+        # shadow comparison (graft.engine.shadow): by the revision whose answers were compared
+        self.shadow_requests = Counter("graft_shadow_requests", "Requests compared against the previous table, by result.",
+                                       ["revision", "result"], registry=r)
+        self.shadow_divergence = Histogram("graft_shadow_divergence_nats",
+                                           "Mean KL divergence (nats) of each compared request from the previous table.",
+                                           ["revision"], buckets=DIVERGENCE_BUCKETS, registry=r)
+        self.shadow_positions = Counter("graft_shadow_positions", "Generated positions compared.", ["revision"],
+                                        registry=r)
+        self.shadow_skipped = Counter("graft_shadow_skipped", "Recorded requests not compared, by reason.",
+                                      ["reason"], registry=r)
+        self.shadow_seconds = Counter("graft_shadow_seconds", "Step-loop time spent on shadow comparison.",
+                                      registry=r)
         self.cpu_quota = Gauge("graft_cpu_quota_cores", "CPU cores this process may use (its cgroup quota).",
                                registry=r)
         self.cpu_quota.set_function(cpu_quota_cores)
@@ -166,8 +180,10 @@ class EngineMetrics:
             self._retired.discard(revision)
         for status in STATUSES:
             self._remove(self.requests, revision, status)
+        for result in SHADOW_RESULTS:
+            self._remove(self.shadow_requests, revision, result)
         for metric in (self.duration, self.ttft, self.itl, self.queue, self.prompt_tokens,
-                       self.generation_tokens):
+                       self.generation_tokens, self.shadow_divergence, self.shadow_positions):
             self._remove(metric, revision)
 
     @staticmethod

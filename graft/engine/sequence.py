@@ -6,6 +6,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class SequenceStatus(enum.Enum):
@@ -104,6 +105,7 @@ class Sequence:
     first_scheduled: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    shadow: Any = None                  # graft.engine.shadow.Record while its answer is recorded for comparison
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

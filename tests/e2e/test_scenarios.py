@@ -201,7 +201,7 @@ async def test_faulty_patch_is_rolled_back_at_the_first_step(fleet: Fleet, traff
     # a step-1 pause of 90 s: the step cannot end before the breaker has its evidence
     ro["spec"]["steps"][0]["pause"] = "90s"
     name, revision = ro["metadata"]["name"], revision_of(ro)
-    (breaker,) = parse_spec(ro["spec"]).analysis.breakers
+    (breaker,) = [b for b in parse_spec(ro["spec"]).analysis.breakers if b.name == "error-rate"]
     confidence = parse_spec(ro["spec"]).analysis.rollback_confidence
     assert breaker.name == "error-rate" and breaker.consecutive == 2
     seen: list[tuple[float, bool]] = []     # (when, the window's counts breach at the confidence)
