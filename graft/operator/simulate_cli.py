@@ -44,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shadow-rate", type=float, default=0.1,
                    help="share of a patched engine's finished requests it compares with its previous table "
                         "(the engine records --shadow-rate of them and compares what its --shadow-budget allows)")
-    p.add_argument("--shadow-floor", type=float, default=4.0,
+    p.add_argument("--shadow-floor", type=float, default=6.0,
                    help="shadow comparisons per pod a minute at least (never more than it finishes; "
                         "the engine's --shadow-floor)")
     p.add_argument("--divergence", type=float, default=0.005,

@@ -33,7 +33,7 @@ from graft.api import Verdict
 from graft.rollout import stats
 from graft.rollout.observation import Measurement
 from graft.rollout.queries import QUANTILES, Context, Series, plan
-from graft.rollout.spec import BREAKER, GATE, Analysis, Check, RolloutSpec
+from graft.rollout.spec import BREAKER, GATE, ROLLOUT_WINDOW, Analysis, Check, RolloutSpec
 from graft.rollout.status import CheckResult, RolloutStatus
 
 SUCCESSFUL, FAILED, INCONCLUSIVE = Verdict.SUCCESSFUL.value, Verdict.FAILED.value, Verdict.INCONCLUSIVE.value
@@ -42,10 +42,15 @@ ERROR, SKIPPED = Verdict.ERROR.value, Verdict.SKIPPED.value
 
 def window_of(check: Check, spec: RolloutSpec, status: RolloutStatus, now: float) -> float:
     """Seconds the check looks back: its window, or for `window: step` the time since the step was in
-    place (at least one interval, so the first run of a step has something to judge)."""
+    place, for `window: rollout` since the rollout started (at least one interval, so the first run of
+    a step has something to judge)."""
     if check.window is not None:
         return check.window
-    since = status.step_ready_at if status.step_ready_at is not None else now
+    since = status.step_ready_at
+    if check.window_text == ROLLOUT_WINDOW and status.started_at is not None:
+        since = status.started_at
+    if since is None:
+        since = now
     return max(float(math.ceil(now - since)), math.ceil(spec.analysis.interval))
 
 
@@ -130,7 +135,9 @@ def _count(m: Measurement, key: str) -> float:
 
 
 def _window(check: Check) -> str:
-    return "the step so far" if check.window is None else check.window_text
+    if check.window is None:
+        return "the rollout so far" if check.window_text == ROLLOUT_WINDOW else "the step so far"
+    return check.window_text
 
 
 def _rate(check: Check, m: Measurement, a: Analysis) -> _Outcome:

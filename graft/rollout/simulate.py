@@ -73,7 +73,7 @@ class Traffic:
     spike_seconds: float = 30.0
     cpu: float = 0.5                      # CPU utilisation of an engine (fraction of its quota)
     shadow_rate: float = 0.1              # share of a patched engine's finished requests it compares
-    shadow_floor: float = 4.0             # comparisons per pod a minute at least (up to all it finishes)
+    shadow_floor: float = 6.0             # comparisons per pod a minute at least (up to all it finishes)
     divergence: float = 0.005             # background share of compared requests that are divergent
 
 

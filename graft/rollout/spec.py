@@ -35,7 +35,9 @@ MAX_QUERY = 8192
 MAX_SELECTOR_TERMS = 16
 BREAKER, GATE = "breaker", "gate"
 APPLY, REVERT = "apply", "revert"
-STEP_WINDOW = "step"
+STEP_WINDOW = "step"          # the traffic since the step was in place
+ROLLOUT_WINDOW = "rollout"    # the traffic since the rollout started
+CUMULATIVE_WINDOWS = (STEP_WINDOW, ROLLOUT_WINDOW)
 
 # The built-in checks: what each measures and its defaults, spelled as in a manifest.
 #   rate:        canary errors / requests (output-divergence: divergent / compared requests) against an
@@ -52,8 +54,10 @@ BUILTIN_METRICS: dict[str, dict[str, Any]] = {
     "tpot-p99": {"kind": "quantile", "window": "60s"},
     "cpu": {"kind": "utilisation", "window": "120s"},
     # the canary engines' own shadow comparisons (each compares a share of its finished requests with
-    # the table it ran before the patch): judged on the canary alone, over the step so far
-    "output-divergence": {"kind": "rate", "window": STEP_WINDOW},
+    # the table it ran before the patch): judged on the canary alone, over the rollout so far (every
+    # step runs the same patch, and a canary compares a few requests a minute: a window that began
+    # again at every step would throw its evidence away)
+    "output-divergence": {"kind": "rate", "window": ROLLOUT_WINDOW},
 }
 # The default analysis for a rollout that names no checks and no template. Absolute latency depends
 # on hardware, model and prompts, so latency is judged against stable; errors both ways.
@@ -785,13 +789,14 @@ def _check(r: _Reader, value: Any, path: str, role: str) -> Check | None:
         r.fail(f"{path}.min", f"must not exceed max ({hi:g})")
     window_text = d.get("window", BUILTIN_METRICS.get(metric, {}).get("window", "60s"))
     window: float | None = None
-    if window_text == STEP_WINDOW and kind in ("rate", "difference"):
+    if window_text in CUMULATIVE_WINDOWS and kind in ("rate", "difference"):
         window = None
     else:
         window = r.duration({"window": window_text}, "window", path)
         if not r.errors_at(f"{path}.window") and window < 1:
             r.fail(f"{path}.window", "must be at least 1s (a rate needs two scrapes in its window)"
-                   + ("; or 'step' for the traffic since the step was in place" if kind in ("rate", "difference") else ""))
+                   + ("; or 'step' (the traffic since the step was in place) or 'rollout' (since the "
+                      "rollout started)" if kind in ("rate", "difference") else ""))
     consecutive = r.integer(d, "consecutive", path, 1, 100)
     if role == GATE and consecutive is not None:
         r.fail(f"{path}.consecutive", "gates take no consecutive: a failing gate holds the step until it passes")

@@ -29,7 +29,7 @@ STATUS = {
          "numbers": {"requests": 3000, "errors": 37, "lower": 0.00758}},
         {"name": "output-divergence", "role": "breaker", "value": 1.0, "threshold": "<= 0.05", "window": "step",
          "verdict": "Failed", "breaches": 1, "conclusive": True,
-         "message": "output-divergence 3 divergent of 3 compared requests in the step so far (100%): above the 5% "
+         "message": "output-divergence 3 divergent of 3 compared requests in the rollout so far (100%): above the 5% "
                     "limit at 0.999 confidence (lower bound 10%) (breach 1/1)",
          "numbers": {"compared": 3, "divergent": 3, "share": 1.0, "lower": 0.1, "upper": 1.0, "limit": 0.05}},
         {"name": "latency-p99", "role": "breaker", "value": 0.31, "threshold": "<= 0.8", "window": "30s",
@@ -66,7 +66,7 @@ async def test_status_shows_step_weight_pods_and_metrics_against_thresholds(clus
     # output-divergence: the divergent share with the counts behind it, and the bound in its detail
     row = next(line for line in out.splitlines() if "output-divergence" in line)
     assert re.search(r"output-divergence\s.*\sbreaker\s.*\s100% \(3 of 3\)\s.*<= 0\.05\s.*\sstep\s.*\sFailed\s.*\s1\s", row), row
-    assert "3 divergent of 3 compared requests in the step so far (100%)" in row and "(lower bound 10%)" in row
+    assert "3 divergent of 3 compared requests in the rollout so far (100%)" in row and "(lower bound 10%)" in row
 
 
 async def test_pause_and_resume_set_spec_paused(cluster, namespace, rollout):

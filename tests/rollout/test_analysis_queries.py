@@ -170,7 +170,7 @@ def test_three_divergent_of_three_compared_roll_back_and_two_of_two_do_not():
     assert breaker_breaches(3, 3, 0.05, 0.999) and not breaker_breaches(2, 2, 0.05, 0.999)
     r = judge(DIV, shadow(3, 3))
     assert (r.verdict, r.breaches, r.conclusive, r.role) == ("Failed", 1, True, "breaker")
-    assert r.message == ("output-divergence 3 divergent of 3 compared requests in the step so far (100%): above "
+    assert r.message == ("output-divergence 3 divergent of 3 compared requests in the rollout so far (100%): above "
                          "the 5% limit at 0.999 confidence (lower bound 10%) (breach 1/1)")
     assert r.value == 1.0 and r.numbers == pytest.approx(
         {"compared": 3, "divergent": 3, "share": 1.0, "lower": 0.1, "upper": 1.0, "limit": 0.05})
@@ -180,7 +180,7 @@ def test_three_divergent_of_three_compared_roll_back_and_two_of_two_do_not():
     for divergent, compared in ((1, 1), (1, 2), (2, 2)):
         r = judge(DIV, shadow(divergent, compared))
         assert (r.verdict, r.breaches) == ("Successful", 0), r.message
-        assert r.message.endswith(f"{divergent} divergent of {compared} compared requests in the step so far "
+        assert r.message.endswith(f"{divergent} divergent of {compared} compared requests in the rollout so far "
                                   f"({divergent / compared:.0%}): not shown above the 5% limit")
         assert verdict(A, {DIV.key: shadow(divergent, compared)})[0] == "Successful"
 
@@ -197,12 +197,12 @@ def test_divergence_gate_passes_once_none_in_n_compared_bounds_the_share_within_
     assert need == stats.min_samples(0.05, 0.95) == 59
     short = judge(DIV_GATE, shadow(0, need - 1))
     assert (short.verdict, short.short, short.role) == ("Inconclusive", True, "gate")
-    assert short.message == ("output-divergence 0 divergent of 58 compared requests in the step so far (0%): upper "
+    assert short.message == ("output-divergence 0 divergent of 58 compared requests in the rollout so far (0%): upper "
                              "bound 5.03% not yet within the 5% limit (about 59 compared requests without a "
                              "divergence show it)")
     ok = judge(DIV_GATE, shadow(0, need))
     assert ok.verdict == "Successful" and ok.value == 0
-    assert ok.message == ("output-divergence 0 divergent of 59 compared requests in the step so far (0%): within "
+    assert ok.message == ("output-divergence 0 divergent of 59 compared requests in the rollout so far (0%): within "
                           "the 5% limit at 0.95 confidence (upper bound 4.95%)")
     # a few divergent requests among many: Successful once the upper bound is within the limit
     assert judge(DIV_GATE, shadow(5, 1000)).verdict == "Successful"
@@ -228,7 +228,7 @@ def test_no_compared_requests_is_a_lack_of_traffic_and_holds_nothing(values, pol
     prev = CheckResult("output-divergence", "Successful", "", "", role="breaker")
     r = judge(DIV, values, prev, a=a)
     assert (r.verdict, r.short, r.breaches, r.value) == ("Inconclusive", True, 0, None)
-    assert r.message == "output-divergence: no compared requests in the step so far"
+    assert r.message == "output-divergence: no compared requests in the rollout so far"
     assert verdict(a, {DIV.key: values})[0] == "Successful", "a breaker without data holds nothing"
 
 
@@ -242,6 +242,26 @@ def test_a_rate_over_the_step_says_so():
     (so_far,) = checks(breakers=[{"name": "error-rate", "max": 0.005, "window": "step"}]).breakers
     r = judge(so_far, {"canary_requests": 40, "canary_matching": 1})
     assert "(1 errors of 40 canary requests in the step so far)" in r.message
+
+
+def test_a_rollout_window_looks_back_to_the_rollout_start_and_a_step_window_to_the_step():
+    from graft.rollout.analysis import window_of
+    from graft.rollout.spec import parse_spec
+    from graft.rollout.status import RolloutStatus
+    spec = parse_spec({"selector": {"matchLabels": {"app": "x"}}, "patch": {"name": "p", "version": "1"},
+                       "analysis": {"interval": "10s", "breakers": [
+                           {"name": "output-divergence", "max": 0.05},
+                           {"name": "error-rate", "max": 0.01, "window": "step"},
+                           {"name": "sticky", "metric": "error-rate", "max": 0.01, "window": "rollout"}]}})
+    divergence, step, sticky = spec.analysis.breakers
+    assert divergence.window_text == "rollout"           # output-divergence's default
+    status = RolloutStatus(started_at=1000.0, step_ready_at=1500.0)
+    assert window_of(divergence, spec, status, 1600.0) == 600
+    assert window_of(sticky, spec, status, 1600.0) == 600
+    assert window_of(step, spec, status, 1600.0) == 100
+    assert window_of(divergence, spec, status, 1000.5) == 10   # at least one interval
+    r = judge(sticky, {"canary_requests": 40, "canary_matching": 1})
+    assert "(1 errors of 40 canary requests in the rollout so far)" in r.message
 
 
 # latency and values

@@ -54,7 +54,7 @@ def test_minimal_spec_gets_the_documented_defaults():
     assert delta.window_text == "step" and delta.kind == "difference" and delta.comparison
     assert not by_key(a)["breaker/error-rate"].comparison and by_key(a)["breaker/ttft-p99"].comparison
     divergence = by_key(a)["breaker/output-divergence"]
-    assert (divergence.kind, divergence.window_text, divergence.threshold) == ("rate", "step", "<= 0.05")
+    assert (divergence.kind, divergence.window_text, divergence.threshold) == ("rate", "rollout", "<= 0.05")
     assert not divergence.comparison, "judged on the canary alone: never skipped once no stable pod is left"
 
 
@@ -79,7 +79,7 @@ def test_a_check_may_name_its_metric_and_window_step():
 
 def test_output_divergence_is_a_canary_share_in_either_role():
     """A counts check on the canary's shadow comparisons: a breaker or a gate, by its name or as the
-    metric of a check named otherwise, dry run or not; over the step so far unless it says."""
+    metric of a check named otherwise, dry run or not; over the rollout so far unless it says."""
     a = analysis(breakers=[{"name": "output-divergence", "max": 0.05, "consecutive": 1},
                            {"name": "divergence-trial", "metric": "output-divergence", "max": 0.01,
                             "window": "5m", "dryRun": True}],
@@ -87,7 +87,7 @@ def test_output_divergence_is_a_canary_share_in_either_role():
     breaker, trial = a.breakers
     (gate,) = a.gates
     assert (breaker.metric, breaker.kind, breaker.window, breaker.window_text, breaker.consecutive) == \
-        ("output-divergence", "rate", None, "step", 1)
+        ("output-divergence", "rate", None, "rollout", 1)
     assert (trial.metric, trial.max, trial.window, trial.dry_run) == ("output-divergence", 0.01, 300, True)
     assert (gate.key, gate.max, gate.window, gate.comparison) == ("gate/output-divergence", 0.02, None, False)
     # the edges of a share are limits it may have: 0 (no divergence at all) and 1 (never acts)
