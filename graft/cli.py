@@ -18,7 +18,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         enable_test_patches=args.enable_test_patches, trusted_keys=args.trusted_key or [],
                         allow_unsigned_bundles=args.allow_unsigned_bundles, bundle_timeout=args.bundle_timeout,
                         patches=os.environ.get("GRAFT_PATCHES", ""), grace=args.grace,
-                        served_model_name=args.served_model_name)
+                        served_model_name=args.served_model_name, probe_prompts=args.probe_prompts)
     from graft.engine.config import config_from_args
     asyncio.run(serve(config_from_args(args), opts))
     return 0
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a bundle may take to load (and to configure or migrate) before it is refused")
     s.add_argument("--grace", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--probe-prompts", metavar="FILE", default=None,
+                   help="JSON lines of {\"prompt\": ...}: long contexts of your own traffic that the patch "
+                        "self-check also runs, up to 2,048 tokens each (default: $GRAFT_PROBE_PROMPTS_FILE)")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks: BBH throughput, patch apply latency, ...")

@@ -37,14 +37,15 @@ from graft.engine.config import EngineConfig
 from graft.engine.loader import load_model
 from graft.engine.metrics import EngineMetrics
 from graft.engine.patches.slots import SlotTable
-from graft.engine.runner import DTYPES, ModelRunner, resolve_device
+from graft.engine.runner import (DTYPES, ModelRunner, ProbePlan, ProbeRun, build_probe_plan, builtin_probe_blocks,
+                                 resolve_device)
 from graft.engine.sampler import sample_per_row
 from graft.engine.scheduler import QueueFull, Scheduler, default_policy
 from graft.engine.sequence import FinishReason, InvalidParam, SamplingParams, Sequence, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
-PROBE_BLOCKS = 1  # KV blocks kept aside for the patch self-check probe
+PROBE_BLOCKS = builtin_probe_blocks(64)  # KV blocks kept aside for the self-check's built-in probe (64-token blocks)
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model all but rules out
 SHUTDOWN = "server_shutting_down"   # the error code of a request cut at the end of the grace period
 INTERNAL = "internal_error"
@@ -250,7 +251,7 @@ class RequestHandle:
 class LLMEngine:
     """A continuous-batching engine over one model. `start()` runs the step loop thread."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, probe_prompts: list[str] | tuple[str, ...] = ()):
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -259,10 +260,16 @@ class LLMEngine:
         self.config.max_model_len = min(config.max_model_len, self.model_config.max_position)
         self.runner = ModelRunner(config, self.model, self.model_config, self.device, self.dtype)
         total = self.runner.num_blocks
-        if total <= PROBE_BLOCKS:
-            raise ValueError("kv_cache_memory too small: raise --kv-cache-memory")
-        self.probe_blocks = list(range(total - PROBE_BLOCKS, total))
-        self.block_manager = BlockManager(total - PROBE_BLOCKS, config.block_size, config.enable_prefix_caching)
+        # the patch self-check's probe (its built-in plan, then `probe_prompts`) runs on blocks of its own
+        self.probe_plan: ProbePlan = build_probe_plan(self.tokenizer.encode, probe_prompts, config.block_size,
+                                                      self.config.max_model_len)
+        need = self.probe_plan.num_blocks
+        if total <= need:
+            raise ValueError(f"kv_cache_memory holds {total} KV blocks and the patch self-check keeps {need} aside "
+                             f"for its probe ({self.probe_plan.longest} tokens at most), leaving none for requests: "
+                             "raise --kv-cache-memory")
+        self.probe_blocks = list(range(total - need, total))
+        self.block_manager = BlockManager(total - need, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         slots = default_slots(default_policy, sample_per_row, config.paths).with_slots({"request.outcome": no_outcome})
         if self.device.type == "cuda":  # the Triton kernels serve the hot loops on a GPU
@@ -334,9 +341,10 @@ class LLMEngine:
         self.metrics.set_revision(old.revision, state.revision)
         return old
 
-    def probe(self, token_ids: list[int], slots: SlotTable) -> torch.Tensor:
-        """The logits of a prompt run under `slots` on the blocks kept aside for it. Step loop only."""
-        return self.runner.probe_logits(token_ids, slots, self.probe_blocks)
+    def probe(self, slots: SlotTable) -> ProbeRun:
+        """The probe plan (`probe_plan`) under `slots`, on the blocks kept aside for it: each `step()` of
+        the run is one forward pass. Steps run in the step loop only, between two steps."""
+        return ProbeRun(self.runner, self.probe_plan, slots, self.probe_blocks)
 
     def preempt_running(self) -> None:
         """Send every running request back to wait (recomputed later). Step loop only."""

@@ -1,14 +1,18 @@
 """`graft serve`: the engine, its OpenAI app and its admin app, in one process, living well in a pod.
 
 SIGTERM turns the engine not-ready and stops admission, lets in-flight requests finish within the
-grace period, then exits. Every admin setting (token, trusted keys, TLS files, GRAFT_PATCHES) is
-checked before the model loads, so a mistake ends the process at once with a one-line reason.
+grace period, then exits. Every admin setting (token, trusted keys, TLS files, GRAFT_PATCHES, the
+self-check's probe prompts) is checked before the model loads, so a mistake ends the process at
+once with a one-line reason.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import logging
+import os
 import re
 import signal
 import ssl
@@ -52,6 +56,7 @@ class ServeOptions:
     patches: str = ""                   # `name@version,...` applied at start-up (GRAFT_PATCHES)
     grace: float = 30.0
     served_model_name: str | None = None
+    probe_prompts: str | None = None    # JSON-lines file of {"prompt": ...}; default: GRAFT_PROBE_PROMPTS_FILE
 
 
 @dataclass(slots=True)
@@ -85,6 +90,41 @@ def check_admin_setup(opts: ServeOptions) -> AdminSetup:
     if opts.bundle_timeout <= 0:
         raise SystemExit("--bundle-timeout must be positive")
     return AdminSetup(token, verifier, _tls(opts))
+
+
+MAX_PROBE_PROMPTS = 8    # each adds a few forward passes (and its logits, kept per revision) to every self-check
+
+
+def load_probe_prompts(path: str | None) -> list[str]:
+    """The self-check's extra probe prompts: a JSON-lines file, one `{"prompt": "..."}` a line
+    (blank lines skipped, other keys ignored); none without a file. SystemExit with a one-line
+    reason when the file cannot be read or a line is not such an object."""
+    if not path:
+        return []
+    where = f"--probe-prompts {path}"
+    try:
+        text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"{where}: cannot read it: {exc}") from None
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"{where}: line {n} is not JSON ({exc.msg}, column {exc.colno})") from None
+        if not isinstance(entry, dict):
+            raise SystemExit(f"{where}: line {n} must be a JSON object {{\"prompt\": \"...\"}}")
+        prompt = entry.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise SystemExit(f"{where}: line {n} needs \"prompt\", a non-empty string")
+        prompts.append(prompt)
+    if not prompts:
+        raise SystemExit(f"{where}: the file holds no prompts")
+    if len(prompts) > MAX_PROBE_PROMPTS:
+        raise SystemExit(f"{where}: {len(prompts)} prompts; the self-check takes at most {MAX_PROBE_PROMPTS}")
+    return prompts
 
 
 def _tls(opts: ServeOptions) -> dict[str, str]:
@@ -124,9 +164,17 @@ def tune_interpreter() -> None:
 
 
 async def serve(config: EngineConfig, opts: ServeOptions) -> None:
+    probe_prompts = load_probe_prompts(opts.probe_prompts or os.environ.get("GRAFT_PROBE_PROMPTS_FILE"))
     admin = check_admin_setup(opts) if opts.admin_port is not None else None
     tune_interpreter()
-    engine = await asyncio.to_thread(LLMEngine, config)
+    try:
+        engine = await asyncio.to_thread(functools.partial(LLMEngine, config, probe_prompts=probe_prompts))
+    except ValueError as exc:   # a KV cache too small for the probe, or for one block
+        raise SystemExit(f"graft serve: {exc}") from None
+    if probe_prompts:
+        log.info("the self-check probes with its built-in plan and %d prompts of --probe-prompts: %d positions "
+                 "compared, contexts up to %d tokens, %d KV blocks kept aside", len(probe_prompts),
+                 len(engine.probe_plan.rows), engine.probe_plan.longest, engine.probe_plan.num_blocks)
     engine.start()
     model_name = opts.served_model_name or served_name(config.model)
     apps = [(build_app(engine, model_name), opts.host, opts.port, {})]

@@ -355,6 +355,26 @@ def test_engines_accept_only_bundles_signed_by_a_trusted_key(chart):
     assert "--allow-unsigned-bundles" in engine["args"]
 
 
+def test_engines_probe_patches_with_the_prompts_of_a_configmap(chart):
+    from graft.cli import build_parser
+
+    (engine,) = containers(one(render(chart, ENGINE), "Deployment"))
+    assert not [a for a in engine["args"] if a.startswith("--probe-prompts")]
+    for probe, key in (({"configMap": "fleet-probes"}, "probe-prompts.jsonl"),
+                       ({"configMap": "fleet-probes", "key": "traffic.jsonl"}, "traffic.jsonl")):
+        values = merged(ENGINE, {"engine": {"probePrompts": probe}})
+        report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
+        assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2], report
+        deployment = one(render(chart, values), "Deployment")
+        (engine,) = containers(deployment)
+        (path,) = [a.split("=", 1)[1] for a in engine["args"] if a.startswith("--probe-prompts=")]
+        assert mounted_file(deployment, engine, path) == ("fleet-probes", key)
+        assert build_parser().parse_known_args(engine["args"])[0].probe_prompts == path
+    with pytest.raises((helm.HelmValuesError, helm.HelmRenderError)) as err:
+        render(chart, merged(ENGINE, {"engine": {"probePrompts": {"configMap": "Fleet Probes"}}}))
+    assert "/engine/probePrompts/configMap" in str(err.value)
+
+
 # the admin token: one Secret in the release's namespace, the same whoever renders the chart
 
 DETERMINISTIC = {k: v for k, v in SETUPS.items() if k != "generated-token"}

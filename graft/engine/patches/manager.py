@@ -1,10 +1,18 @@
 """Applying and reverting patches on a live engine.
 
 A swap runs inside the step loop between two steps (`engine.between_steps`), so no forward pass
-ever sees half a table. Right after a swap the self-check runs the probe prompt and compares
-its logits with those recorded under the previous table; beyond the patch's tolerance, or when the
-probe raises, the swap is undone before the step loop runs another step, and the caller hears why
-(422). Swap, probe and commit are one transaction: no request ever runs on a table that failed.
+ever sees half a table. Before a swap the self-check runs the engine's probe plan (see
+graft/engine/runner.py: a long context prefilled in chunks across block boundaries and decoded
+across one, a prefix-cache hit on its first blocks, a short sequence, decodes of all three
+together, and the operator's own probe prompts) under the tentative table, and compares the logits
+of every position with those of the current table; it also calls the tentative `sampler`,
+`scheduler.policy` and `request.outcome` slots on probe inputs and checks what they return. The
+probe is split into pieces of one forward pass, each its own between-steps call, so requests keep
+stepping while it runs; the tentative table is never installed before the verdict. Only when the
+verdict is clean does one last between-steps call swap the table in and commit (beyond the patch's
+tolerance, or when the probe or a slot raises or answers nonsense, the caller hears why: 422).
+Probe and commit are one transaction: no request ever runs on a table that failed, and a refused
+patch leaves no trace but its failure count.
 
 A replace (`apply(..., replace=True)`) is the same transaction with the applied version of the
 same-named patch taken out in the very swap that puts the new one in: every step runs either the
@@ -14,13 +22,19 @@ The manager keeps no engine state of its own: what is applied lives in the engin
 (its `patches`, beside the table and the revision they make), which the step loop replaces whole
 through `engine.swap()`. The manager reaches the engine only through `swap()`, `probe()`,
 `preempt_running()`, `between_steps()`, its metrics, and the engine handed to a patch's `migrate`.
+One change runs at a time (the manager's lock); should the engine's state change between the
+pieces of a self-check all the same, the self-check starts again on the new state.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import numbers
+import operator
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from types import MappingProxyType
@@ -35,10 +49,15 @@ from graft.engine.patches.bundle import BundleVerifier, describe
 from graft.engine.patches.loading import load_checked, run_guarded
 from graft.engine.engine import EngineState, LLMEngine
 from graft.engine.patches.slots import SLOT_NAMES, SlotTable
+from graft.engine.runner import ProbeRow
+from graft.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
-PROBE_PROMPT = "The capital of France is Paris. The capital of Japan is Tokyo. The capital of Italy is"
+REFERENCE_BYTES = 1 << 30   # probe logits remembered per revision, least recently used dropped first (the
+                            # newest always kept): about 25 MiB a revision for the built-in plan in bf16
+STATE_RETRIES = 3           # self-checks started over when the engine's state changed under one
+MAX_OUTCOME_DELAY = 60.0    # seconds: the longest hold a `request.outcome` may ask for
 
 
 @dataclass(slots=True)
@@ -49,36 +68,257 @@ class Applied:
     apply_ms: float
     verify_ms: float
     config: Mapping[str, Any] = field(default_factory=dict)
+    self_check: Mapping[str, Any] = field(default_factory=dict)   # the self-check's figures (describe())
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.patch.name, "version": self.patch.version, "digest": self.patch.digest,
                 "appliedAt": self.applied_at, "applyMs": round(self.apply_ms, 3),
-                "verifyMs": round(self.verify_ms, 3)}
+                "verifyMs": round(self.verify_ms, 3), "selfCheck": dict(self.self_check)}
 
 
 LOW_PRECISION_MEAN_DIFF = 0.25   # bf16/fp16: reordered sums move logits by ~0.1 on average
 LOW_PRECISION_ARGMAX = 0.9       # ... and rarely change the top token
 
 
-def probe_verdict(before: torch.Tensor, after: torch.Tensor, tolerance: float, dtype: torch.dtype) -> str | None:
-    """Why the probe logits after a swap are not the same model's, or None when they are.
+def row_stats(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """Per row of logits [rows, vocab]: largest and mean |difference|, whether the top token agrees,
+    whether `after` is finite; [rows, 4] float32 on the CPU. A NaN difference counts as infinite."""
+    before, after = before.float(), after.float()
+    diff = (after - before).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
+    return torch.stack([diff.amax(-1), diff.mean(-1), (after.argmax(-1) == before.argmax(-1)).float(),
+                        torch.isfinite(after).all(-1).float()], dim=1).cpu()
+
+
+def _num(x: float, digits: int = 6) -> float | None:
+    return float(f"{x:.{digits}g}") if math.isfinite(x) else None
+
+
+@dataclass(slots=True)
+class PartFigures:
+    part: str
+    positions: int
+    worst: float
+    mean: float
+    agreement: float
+
+    def describe(self) -> dict[str, Any]:
+        return {"part": self.part, "positions": self.positions, "worst": _num(self.worst),
+                "mean": _num(self.mean), "agreement": round(self.agreement, 4)}
+
+
+@dataclass(slots=True)
+class ProbeFigures:
+    """How the probe logits under a tentative table compare with the current table's."""
+
+    positions: int
+    worst: float            # the largest |logit difference| anywhere
+    mean: float             # the mean |logit difference| over every logit compared
+    agreement: float        # the share of positions whose top token agrees
+    worst_at: str           # the position of the largest difference, e.g. "decode A at context 196"
+    parts: list[PartFigures]
+    not_finite_at: str | None = None
+    verify_ms: float = 0.0
+    longest_pause_ms: float = 0.0
+    pieces: int = 0
+
+    @classmethod
+    def of(cls, stats: torch.Tensor, rows: Seq[ProbeRow] | None = None) -> "ProbeFigures":
+        """From `row_stats` rows, labelled by `rows` (each row its own position when None)."""
+        n = stats.shape[0]
+        if rows is None:
+            rows = [ProbeRow("all positions", f"position {i}") for i in range(n)]
+        if len(rows) != n:
+            raise ValueError(f"{n} rows of figures for {len(rows)} probe positions")
+        worst_row = int(stats[:, 0].argmax())
+        bad = (stats[:, 3] == 0).nonzero()
+        by_part: dict[str, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_part.setdefault(row.part, []).append(i)
+        parts = []
+        for part, idx in by_part.items():
+            sub = stats[idx]
+            parts.append(PartFigures(part, len(idx), float(sub[:, 0].max()), float(sub[:, 1].mean()),
+                                     float(sub[:, 2].mean())))
+        return cls(n, float(stats[:, 0].max()), float(stats[:, 1].mean()), float(stats[:, 2].mean()),
+                   rows[worst_row].where, parts, rows[int(bad[0])].where if len(bad) else None)
+
+    @property
+    def worst_part(self) -> PartFigures:
+        return max(self.parts, key=lambda p: (p.worst, p.mean))
+
+    def describe(self) -> dict[str, Any]:
+        return {"positions": self.positions, "worst": _num(self.worst), "worstAt": self.worst_at,
+                "mean": _num(self.mean), "agreement": round(self.agreement, 4),
+                "verifyMs": round(self.verify_ms, 3), "longestPauseMs": round(self.longest_pause_ms, 3),
+                "pieces": self.pieces, "parts": [p.describe() for p in self.parts]}
+
+    def words(self) -> str:
+        return (f"{self.positions} positions compared, the largest |logit difference| {self.worst:.4g} "
+                f"({self.worst_at}), mean {self.mean:.4g}, top token agreeing on {self.agreement:.1%}")
+
+
+def judge(figures: ProbeFigures, tolerance: float, dtype: torch.dtype) -> str | None:
+    """Why the probe logits under a tentative table are not the same model's, or None when they are.
 
     In fp32 every logit must stay within the patch's tolerance. In 16-bit floats a fused path
     legitimately moves logits by up to ~1.5 (a different summation order), so there the mean
-    difference and the agreement of the top token decide.
+    difference and the agreement of the top token decide: the mean in every part of the probe on
+    its own (a patch wrong only in long decodes must not hide behind the many positions it gets
+    right), the agreement over all positions and in every part (see `_allowed`).
     """
-    if not torch.isfinite(after).all():
-        return "probe logits are not finite"
-    diff = (after - before).abs()
+    if figures.not_finite_at is not None:
+        return f"probe logits are not finite ({figures.not_finite_at})"
     if dtype == torch.float32:
-        worst = float(diff.max())
-        return None if worst <= tolerance else f"probe logits differ by {worst:.4g} (tolerance {tolerance:g})"
-    mean = float(diff.mean())
-    agree = float((after.argmax(-1) == before.argmax(-1)).float().mean())
-    if mean <= max(tolerance, LOW_PRECISION_MEAN_DIFF) and agree >= LOW_PRECISION_ARGMAX:
-        return None
-    return (f"probe logits differ by {mean:.4g} on average, top token agrees on {agree:.0%} of positions "
-            f"(limits {max(tolerance, LOW_PRECISION_MEAN_DIFF):g}, {LOW_PRECISION_ARGMAX:.0%})")
+        if figures.worst <= tolerance:
+            return None
+        return f"probe logits differ by {figures.worst:.4g} at {figures.worst_at} (tolerance {tolerance:g})"
+    limit = max(tolerance, LOW_PRECISION_MEAN_DIFF)
+    for part in [*figures.parts, PartFigures("all positions", figures.positions, figures.worst, figures.mean,
+                                             figures.agreement)]:
+        if part.mean > limit or _disagreements(part.agreement, part.positions) > _allowed(part.positions):
+            return (f"probe logits of {part.part} differ by {part.mean:.4g} on average (the most {part.worst:.4g}) "
+                    f"and their top token agrees on {part.agreement:.0%} of {part.positions} positions "
+                    f"(limits {limit:g}, {LOW_PRECISION_ARGMAX:.0%})")
+    return None
+
+
+def _disagreements(agreement: float, positions: int) -> int:
+    return round((1 - agreement) * positions)
+
+
+def _allowed(positions: int) -> int:
+    """Top-token disagreements a part of `positions` may have in 16 bits: LOW_PRECISION_ARGMAX's
+    share, and at least one (a near-tie that rounding flips; a part of eight decodes would
+    otherwise fail on it)."""
+    return max(1, math.floor((1 - LOW_PRECISION_ARGMAX) * positions + 1e-9))
+
+
+def probe_verdict(before: torch.Tensor, after: torch.Tensor, tolerance: float, dtype: torch.dtype,
+                  rows: Seq[ProbeRow] | None = None) -> str | None:
+    """`judge` of the logits `after` against `before` ([positions, vocab]), labelled by `rows`."""
+    return judge(ProbeFigures.of(row_stats(before, after), rows), tolerance, dtype)
+
+
+# ---- the slots a request meets outside the forward pass, checked on probe inputs ----
+
+PROBE_SEED = 1234
+
+
+def check_sampler(sampler: Callable[..., Any], logits: torch.Tensor, vocab_size: int) -> str | None:
+    """Call `sampler` on two rows of probe logits, a greedy one and a seeded sampling one: one valid
+    token id per row, and the greedy row's top token."""
+    logits = logits[:2].float()
+    params = [SamplingParams(max_tokens=1, temperature=0.0),
+              SamplingParams(max_tokens=1, temperature=0.8, top_p=0.95, top_k=50, seed=PROBE_SEED)]
+    gen = torch.Generator(device=logits.device)
+    gen.manual_seed(PROBE_SEED)
+    try:
+        tokens = list(sampler(logits, params, [None, gen]))
+    except Exception as exc:
+        return f"the sampler raised {describe(exc)}"
+    if len(tokens) != len(params):
+        return f"the sampler returned {len(tokens)} token ids for {len(params)} rows"
+    for i, token in enumerate(tokens):
+        try:
+            token = operator.index(token)
+        except TypeError:
+            return f"the sampler returned {token!r} for row {i}, not a token id"
+        if not 0 <= token < vocab_size:
+            return f"the sampler returned {token} for row {i}, outside the vocabulary (0-{vocab_size - 1})"
+        tokens[i] = token
+    top = int(logits[0].argmax())
+    if tokens[0] != top:
+        return f"the sampler returned {tokens[0]} for a greedy row whose top token is {top}"
+    return None
+
+
+def probe_waiting(now: float) -> list[Sequence]:
+    """Waiting sequences of different priorities, tenants and ages, for `check_policy`."""
+    specs = [(0, "alpha", 3.0), (1, "beta", 2.0), (0, "alpha", 1.0), (-1, "gamma", 0.5), (0, "beta", 0.1)]
+    return [Sequence(prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=1), priority=p, tenant=t,
+                     arrival=now - age) for p, t, age in specs]
+
+
+def check_policy(policy: Callable[..., Any], now: float | None = None) -> str | None:
+    """Call `policy` on probe waiting sequences: it must return a permutation of them."""
+    now = time.monotonic() if now is None else now
+    waiting = probe_waiting(now)
+    try:
+        ordered = list(policy(list(waiting), now))
+    except Exception as exc:
+        return f"the scheduler policy raised {describe(exc)}"
+    given = {id(s) for s in waiting}
+    got = [id(s) for s in ordered]
+    if any(i not in given for i in got):
+        return "the scheduler policy returned something that was not among the waiting sequences"
+    if len(set(got)) != len(got):
+        return "the scheduler policy returned a waiting sequence more than once"
+    if len(got) != len(waiting):
+        return f"the scheduler policy returned {len(got)} of {len(waiting)} waiting sequences"
+    return None
+
+
+def probe_finished() -> Sequence:
+    """A finished request, for `check_outcome`."""
+    seq = Sequence(prompt_token_ids=[1, 2, 3, 4], params=SamplingParams(max_tokens=2), tenant="probe")
+    seq.output_token_ids = [5, 6]
+    seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.LENGTH
+    seq.num_computed_tokens = len(seq)
+    return seq
+
+
+def check_outcome(outcome: Callable[..., Any]) -> str | None:
+    """Call `outcome` on a finished probe request: (delay within [0, 60] s, failed: a bool)."""
+    try:
+        result = outcome(probe_finished())
+    except Exception as exc:
+        return f"request.outcome raised {describe(exc)}"
+    try:
+        delay, failed = result
+    except (TypeError, ValueError):
+        return f"request.outcome returned {result!r:.80}, not (delay, failed)"
+    if isinstance(delay, bool) or not isinstance(delay, numbers.Real) \
+            or not 0 <= float(delay) <= MAX_OUTCOME_DELAY:   # NaN fails the comparison too
+        return f"request.outcome returned a delay of {delay!r:.40} (a number of seconds within [0, {MAX_OUTCOME_DELAY:g}])"
+    if not isinstance(failed, (bool, int)):
+        return f"request.outcome returned failed={failed!r:.40}, not a bool"
+    return None
+
+
+def check_slots(slots: SlotTable, logits: torch.Tensor, vocab_size: int) -> str | None:
+    """The `sampler`, `scheduler.policy` and `request.outcome` of `slots` on probe inputs; the first
+    problem, or None."""
+    return (check_sampler(slots["sampler"], logits, vocab_size) or check_policy(slots["scheduler.policy"])
+            or check_outcome(slots["request.outcome"]))
+
+
+class _StateChanged(Exception):
+    """The engine's state is no longer the one a self-check started from."""
+
+
+class _Pieces:
+    """Runs functions between two steps of the engine, one at a time, timing each; each first
+    checks that the engine still runs `state` (else `_StateChanged`)."""
+
+    def __init__(self, engine: LLMEngine, state: EngineState):
+        self.engine, self.state = engine, state
+        self.pauses: list[float] = []
+
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        def timed() -> Any:
+            t0 = time.perf_counter()
+            try:
+                if self.engine.state is not self.state:
+                    raise _StateChanged
+                return fn()
+            finally:
+                self.pauses.append((time.perf_counter() - t0) * 1000)
+        return await self.engine.between_steps(timed)
+
+    @property
+    def longest(self) -> float:
+        return max(self.pauses, default=0.0)
 
 
 class PatchManager:
@@ -96,8 +336,7 @@ class PatchManager:
         self.bundle_timeout = bundle_timeout
         self._lock = asyncio.Lock()
         self._bundles: dict[str, list[Patch]] = {}  # digest -> the patches of a bundle loaded once
-        self._probe_ids = engine.tokenizer.encode(PROBE_PROMPT)
-        self._probe_cache: dict[str, torch.Tensor] = {}   # revision -> its probe logits
+        self._references: OrderedDict[str, torch.Tensor] = OrderedDict()  # revision -> its probe logits
 
     @property
     def applied(self) -> Mapping[str, Applied]:
@@ -219,8 +458,7 @@ class PatchManager:
                 raise PatchError(409, f"{patch.id} replaces patch points already patched: {clash}")
             await self._migrate(patch, current)
             try:
-                applied, verdict = await self.engine.between_steps(
-                    lambda: self._swap_in(patch, slots, config or {}, current))
+                applied, verdict, figures = await self._check_and_swap(patch, slots, config or {}, current)
             except Exception:
                 await self._unmigrate(patch, keep=current)
                 raise
@@ -228,15 +466,18 @@ class PatchManager:
                 await self._unmigrate(patch, keep=current)
                 self.engine.metrics.patch_failures.labels(patch.name, "verify").inc()
                 kept = f"; {current.patch.id} stays applied" if current is not None else " and was reverted"
-                raise PatchError(422, f"{patch.id} failed its self-check{kept}: {verdict}")
+                said = f" ({figures.words()})" if figures is not None else ""
+                raise PatchError(422, f"{patch.id} failed its self-check{kept}: {verdict}{said}")
             if current is not None:
                 await self._unmigrate(current.patch, keep=applied)
-                log.info("replaced %s with %s in %.2f ms (self-check %.1f ms)", current.patch.id, patch.id,
-                         applied.apply_ms, applied.verify_ms)
+                log.info("replaced %s with %s in %.2f ms (self-check %.1f ms, longest pause %.1f ms: %s)",
+                         current.patch.id, patch.id, applied.apply_ms, applied.verify_ms,
+                         figures.longest_pause_ms, figures.words())
             else:
-                log.info("applied %s in %.2f ms (self-check %.1f ms)", patch.id, applied.apply_ms, applied.verify_ms)
+                log.info("applied %s in %.2f ms (self-check %.1f ms, longest pause %.1f ms: %s)", patch.id,
+                         applied.apply_ms, applied.verify_ms, figures.longest_pause_ms, figures.words())
             return {"revision": self.revision, "applyMs": round(applied.apply_ms, 3),
-                    "verifyMs": round(applied.verify_ms, 3), "changed": True}
+                    "verifyMs": round(applied.verify_ms, 3), "changed": True, "selfCheck": figures.describe()}
 
     async def revert(self, name: str) -> dict[str, Any]:
         async with self._lock:
@@ -255,7 +496,6 @@ class PatchManager:
             except PatchError as exc:
                 raise SystemExit(f"GRAFT_PATCHES: cannot apply {name}@{version}: {exc.message}") from None
 
-    # the step loop side
     def _state(self, applied: Mapping[str, Applied]) -> EngineState:
         """The engine state that runs `applied`: the base table with their slots, and its revision."""
         table = self.engine.base_slots
@@ -263,50 +503,113 @@ class PatchManager:
             table = table.with_slots(a.slots)
         return EngineState(table, revision_of([a.patch.id for a in applied.values()]), MappingProxyType(applied))
 
-    def _probe(self, slots: SlotTable) -> torch.Tensor:
-        return self.engine.probe(self._probe_ids, slots)
-
-    def _reference(self) -> torch.Tensor:
-        """The probe logits of the current revision: computed once per revision, then remembered."""
-        state = self.engine.state
-        if state.revision not in self._probe_cache:
-            self._probe_cache[state.revision] = self._probe(state.slots)
-        return self._probe_cache[state.revision]
-
-    def _swap_in(self, patch: Patch, slots: Mapping[str, Any], config: Mapping[str, Any],
-                 current: Applied | None):
-        """Swap `patch` in (and `current`, the applied version of its name, out), probe, then commit or undo.
-
-        One call between two steps: no step runs on the new table before the probe passed, and
-        nothing (revision, metrics) changes until it has, so a refused swap leaves no trace but
-        its failure count.
-        """
+    # the self-check (event loop side; each piece runs in the step loop between two steps)
+    async def _probe(self, slots: SlotTable, pieces: _Pieces,
+                     before: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The probe plan's logits under `slots` ([positions, vocab], kept on the CPU in the engine's
+        dtype, which holds them exactly), one forward pass per piece; with `before`, also each
+        position's `row_stats` against it, computed in the same piece."""
         engine = self.engine
-        before = self._reference()
+        run = engine.probe(slots)
+        logits: list[torch.Tensor] = []
+        stats: list[torch.Tensor] = []
+        done = 0
+
+        def piece() -> None:
+            nonlocal done
+            out = run.step().to("cpu", engine.dtype)
+            if before is not None:
+                stats.append(row_stats(before[done:done + out.shape[0]], out))
+            logits.append(out)
+            done += out.shape[0]
+
+        while not run.done:
+            await pieces.run(piece)
+        return torch.cat(logits), (torch.cat(stats) if before is not None else None)
+
+    async def _reference(self, state: EngineState, pieces: _Pieces) -> torch.Tensor:
+        """The probe logits of `state`'s revision: computed once per revision, then remembered."""
+        if state.revision in self._references:
+            self._references.move_to_end(state.revision)
+            return self._references[state.revision]
+        logits, _ = await self._probe(state.slots, pieces)
+        self._remember(state.revision, logits)
+        return logits
+
+    def _remember(self, revision: str, logits: torch.Tensor) -> None:
+        self._references[revision] = logits
+        self._references.move_to_end(revision)
+        held = sum(t.nbytes for t in self._references.values())
+        while len(self._references) > 1 and held > REFERENCE_BYTES:
+            held -= self._references.popitem(last=False)[1].nbytes
+
+    async def _check_and_swap(self, patch: Patch, slots: Mapping[str, Any], config: Mapping[str, Any],
+                              current: Applied | None) -> tuple[Applied, str | None, ProbeFigures | None]:
+        """Self-check `patch` (with `current`, the applied version of its name, out), then swap it in.
+
+        The probe runs piece by piece while requests keep stepping on the current table; the
+        tentative table is installed only by the last piece, once the verdict is clean, and nothing
+        (revision, metrics) changes before that, so a refused patch leaves no trace. Returns the
+        record, the verdict (None: applied) and the figures (None when the probe itself raised).
+        """
+        for _ in range(STATE_RETRIES):
+            try:
+                return await self._attempt(patch, slots, config, current, self.engine.state)
+            except _StateChanged:
+                log.info("the engine's state changed during the self-check of %s: starting it again", patch.id)
+        raise PatchError(409, f"the engine's state changed during each of {STATE_RETRIES} self-checks of "
+                              f"{patch.id}; try again")
+
+    async def _attempt(self, patch: Patch, slots: Mapping[str, Any], config: Mapping[str, Any],
+                       current: Applied | None, state: EngineState):
+        engine = self.engine
+        applied = Applied(patch, slots, "", 0.0, 0.0, config)
+        tentative = self._state({**state.patches, patch.name: applied})   # `current` goes out in the same stroke
+        pieces = _Pieces(engine, state)
         t0 = time.perf_counter()
+        before = await self._reference(state, pieces)
+        figures = None
+        try:
+            # the slots outside the forward pass first (cheap), on real logits: the reference's
+            verdict = await pieces.run(lambda: check_slots(
+                tentative.slots, before[-2:].to(engine.device, torch.float32), engine.model_config.vocab_size))
+            if verdict is None:
+                after, stats = await self._probe(tentative.slots, pieces, before)
+                figures = ProbeFigures.of(stats, engine.probe_plan.rows)
+                verdict = judge(figures, patch.tolerance, engine.dtype)
+        except _StateChanged:
+            raise
+        except (Exception, SystemExit) as exc:   # a probe that raises is a failed self-check: the old table stays
+            verdict = f"the probe raised {describe(exc)}"
+        applied.verify_ms = (time.perf_counter() - t0) * 1000
+        if figures is not None:
+            figures.verify_ms, figures.pieces = applied.verify_ms, len(pieces.pauses)
+            figures.longest_pause_ms = pieces.longest
+        if verdict is not None:   # no step ran on the new table: its KV entries are the old table's
+            return applied, verdict, figures
+        await pieces.run(lambda: self._commit(tentative, applied, current, after))
+        figures.longest_pause_ms, figures.pieces = pieces.longest, len(pieces.pauses)
+        applied.self_check = MappingProxyType(figures.describe())
+        return applied, None, figures
+
+    # the step loop side
+    def _commit(self, tentative: EngineState, applied: Applied, current: Applied | None,
+                after: torch.Tensor) -> None:
+        """Install `tentative`, its patch's metrics and its probe logits (the piece checked that the
+        engine still runs the state `tentative` was built on)."""
+        engine = self.engine
+        t0 = time.perf_counter()
+        patch = applied.patch
         if not patch.live_switch or (current is not None and not current.patch.live_switch):
             engine.preempt_running()
-        applied = Applied(patch, slots, datetime.now(timezone.utc).isoformat(timespec="milliseconds"), 0.0, 0.0,
-                          config)
-        # `current`, if any, goes out in the same stroke
-        tentative = self._state({**self.applied, patch.name: applied})
-        applied.apply_ms = (time.perf_counter() - t0) * 1000
-        t1 = time.perf_counter()
-        try:
-            after = self._probe(tentative.slots)
-            verdict = probe_verdict(before, after, patch.tolerance, engine.dtype)
-        except BaseException as exc:  # a probe that raises is a failed self-check: the old table stays
-            verdict = f"the probe raised {describe(exc)}"
-        applied.verify_ms = (time.perf_counter() - t1) * 1000
-        if verdict is not None:  # no step ran on the new table: its KV entries are the old table's
-            return applied, verdict
+        applied.applied_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         engine.swap(tentative)
-        self._probe_cache[tentative.revision] = after
+        applied.apply_ms = (time.perf_counter() - t0) * 1000
+        self._remember(tentative.revision, after)
         if current is not None:
             self._forget(current.patch)
         engine.metrics.patch_info.labels(patch.name, patch.version, patch.digest).set(1)
         engine.metrics.patch_apply.labels("apply" if current is None else "replace").observe(applied.apply_ms / 1000)
-        return applied, None
 
     def _swap_out(self, applied: Applied) -> float:
         engine = self.engine

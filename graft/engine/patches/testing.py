@@ -5,6 +5,11 @@
   GRAFT_FAULT_LATENCY_MS);
 - `slow@1` adds 300 ms to every request and fails none (a latency-only regression);
 - `skew@1` is numerically wrong (attention output scaled), so the self-check must refuse it;
+- `drift@1` is the engine's own decode attention (`attention.decode_attention_fast`, whichever
+  kernel it picks) with each sequence's context cut to its first `fromTokens` tokens (the apply
+  call's `config`, default 512): right on short contexts, wrong past that length, as a decode
+  path that caps its context would be. The self-check refuses it when its probe reaches past
+  `fromTokens` (`{"fromTokens": 128}`), and cannot see it when it does not (`4096`);
 - `kv-align@3.2.2-test` is a second version of the built-in `kv-align@3.2.1` with the same results
   by another path, to replace one with the other; `kv-align@3.2.2-skew` is a version whose values
   are wrong, so a replace by it must fail its self-check and keep the applied version.
@@ -40,6 +45,20 @@ def _fault_config(config: Mapping[str, Any]) -> dict:
     return {"request.outcome": outcome(rate, latency)}
 
 
+DRIFT_FROM_TOKENS = 512
+
+
+def _drift_config(config: Mapping[str, Any]) -> dict:
+    limit = config.get("fromTokens", DRIFT_FROM_TOKENS)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError("fromTokens must be an integer >= 1")
+
+    def capped_decode(q, k_cache, v_cache, block_tables, context_lens, scale, gather):
+        return attention.decode_attention_fast(q, k_cache, v_cache, block_tables,
+                                               [min(n, limit) for n in context_lens], scale, gather)
+    return {"attention.decode": capped_decode}
+
+
 def _skewed_prefill(q, k, v, scale):
     return attention.prefill_attention_naive(q, k, v, scale) * 0.5
 
@@ -69,6 +88,9 @@ def patches() -> list[Patch]:
               test_only=True),
         Patch("skew", "1", {"attention.prefill": _skewed_prefill, "attention.decode": _skewed_decode},
               description="numerically wrong attention; the self-check refuses it", test_only=True),
+        Patch("drift", "1", _drift_config({}), description="decode attention over at most the first "
+              "fromTokens tokens of each context (default 512): wrong only past that length",
+              configure=_drift_config, test_only=True),
         Patch("kv-align", "3.2.2-test", {"kv.gather": _gather_by_slot},
               description="kv-align by a per-token slot index: same values as 3.2.1", test_only=True),
         Patch("kv-align", "3.2.2-skew", {"kv.gather": _skewed_gather},
