@@ -1,19 +1,24 @@
 """`graft demo` without running it whole (the full run takes minutes; run it by hand): where it
-writes, its logs kept off the terminal, the scale-up after the promotion followed and reported, and a
-scale-up that does not happen said as a failure."""
+writes, its logs kept off the terminal, the scale-up after the promotion followed and reported, a
+scale-up that does not happen said as a failure, and the drift drill: passed only when
+output-divergence rolled it back, and reported with its numbers and plotted."""
 import logging
 import subprocess
 import sys
 import time
 
 import pytest
+import yaml
 
 from graft.cli import build_parser
-from graft.demo import Join, demo_paths, join_section, logs_to, prepare_workdir, report, scale_up
+from graft.demo import (ACTS, EXAMPLES, EXPECTED, Join, Timeline, act_problem, demo_paths, demo_rollout,
+                        join_section, logs_to, plot, prepare_workdir, report, rollback_cause, rollout_section,
+                        scale_up, series)
 from graft.devcluster.apiserver import ApiServer
-from graft.devcluster.cluster import CRDS, ClusterOptions, engine_deployment
+from graft.devcluster.cluster import CRDS, ROOT, ClusterOptions, engine_deployment
 from graft.devcluster.traffic import Outcome, TrafficStats
 from graft.rollout.fleet import PATCHED_CONDITION
+from graft.rollout.spec import parse_spec
 
 KV = "kv-align@3.2.1"
 
@@ -115,3 +120,106 @@ async def test_a_scale_up_whose_pod_never_comes_fails_saying_what_did_not_happen
         assert (await api.get("/apis/apps/v1/namespaces/llm/deployments/llm-engine")).json()["spec"]["replicas"] == 4
     assert join.replicas == (3, 4) and not join.done
     assert join.error == "no new pod appeared within 0.5 s of scaling deployment/llm-engine to 4"
+
+
+# the acts, and how a rollout's end is judged and reported
+def drift_rolled_back(cause: str = "breaker output-divergence 4 divergent of 6 compared requests in the rollout "
+                                   "so far (66.7%): above the 5% limit at 0.999 confidence (lower bound 9.4%) "
+                                   "(breach 1/1)") -> dict:
+    results = [
+        {"name": "error-rate", "role": "breaker", "verdict": "Successful", "value": 0.0,
+         "message": "error-rate 0% (0 errors of 22 canary requests in 60s): not shown above the error rate 0.5%",
+         "numbers": {"requests": 22, "errors": 0, "rate": 0, "lower": 0, "upper": 0.13, "limit": 0.005}},
+        {"name": "ttft-p99", "role": "breaker", "dryRun": True, "verdict": "Inconclusive",
+         "message": "ttft-p99: 11 canary samples in 30s, fewer than the 200 a p99 needs",
+         "numbers": {"canary_quantile": 1.9, "canary_samples": 11, "stable_quantile": 2.1, "stable_samples": 30}},
+        {"name": "output-divergence", "role": "breaker", "verdict": "Failed", "value": 0.667,
+         "message": cause.removeprefix("breaker "),
+         "numbers": {"compared": 6, "divergent": 4, "share": 0.667, "lower": 0.094, "upper": 0.937, "limit": 0.05}},
+    ]
+    return {"metadata": {"name": "drift-drill"},
+            "spec": {"patch": {"name": "drift", "version": "1"}, "steps": [{"weight": 20}, {"weight": 50}, {}]},
+            "status": {"phase": "RolledBack", "reason": "AnalysisFailed", "stepIndex": 1, "weight": 0,
+                       "cause": f"analysis failed at step 2/3: {cause}",
+                       "message": "drift@1 reverted on every pod; all run kv-align@3.2.1",
+                       "analysis": {"lastRun": "2026-12-01T22:23:03Z", "verdict": "Failed", "results": results}}}
+
+
+def test_the_third_act_is_the_drift_drill_rolled_back_by_output_divergence():
+    assert EXAMPLES == ("rollout-cpu-fleet.yaml", "rollout-drift-test.yaml", "rollout-fault-test.yaml")
+    assert EXPECTED == ["Promoted", "RolledBack", "RolledBack"]
+    assert [a.rolled_back_by for a in ACTS] == [None, "output-divergence", "error-rate"]
+    assert ACTS[0].scale_up and not any(a.scale_up for a in ACTS[1:])
+
+
+def test_the_drift_example_acts_on_errors_and_divergence_alone():
+    ro = yaml.safe_load((ROOT / "examples" / "rollout-drift-test.yaml").read_text())
+    assert ro["spec"]["patch"] == {"name": "drift", "version": "1", "source": {"builtin": {}},
+                                   "config": {"fromTokens": 512}}
+    checks = parse_spec(ro["spec"]).analysis.checks
+    assert {(c.role, c.name) for c in checks if not c.dry_run} == {
+        ("breaker", "error-rate"), ("breaker", "output-divergence"), ("gate", "error-rate-delta")}
+    assert {c.name for c in checks if c.dry_run} == {"ttft-p99", "tpot-p99", "cpu"}
+
+
+def test_an_act_may_hold_its_first_step_longer_than_the_pause_flag():
+    ro = demo_rollout(ROOT / "examples" / "rollout-drift-test.yaml", "llm", "8s", "2s", first_pause=50)
+    assert [s.get("pause") for s in ro["spec"]["steps"]] == ["50s", "8s", None]
+    assert ro["spec"]["analysis"]["interval"] == "2s" and ro["metadata"]["namespace"] == "llm"
+    ro = demo_rollout(ROOT / "examples" / "rollout-drift-test.yaml", "llm", "90s", "2s", first_pause=50)
+    assert [s.get("pause") for s in ro["spec"]["steps"]] == ["90s", "90s", None]
+
+
+def test_an_act_passes_only_when_the_named_check_rolled_it_back():
+    drift = ACTS[1]
+    ro = drift_rolled_back()
+    assert rollback_cause(ro) == ["output-divergence"] and act_problem(drift, ro) is None
+    other = drift_rolled_back("breaker error-rate 30% (3 errors of 10 canary requests in 30s): above ...")
+    other["status"]["analysis"]["results"][0]["verdict"] = "Failed"
+    assert rollback_cause(other) == ["error-rate"]
+    assert act_problem(drift, other).startswith("drift-drill was rolled back by error-rate, not by output-divergence")
+    promoted = drift_rolled_back()
+    promoted["status"].update(phase="Promoted", reason="Promoted")
+    assert rollback_cause(promoted) == []
+    assert act_problem(drift, promoted).startswith("drift-drill ended Promoted, not RolledBack")
+    aborted = drift_rolled_back()
+    aborted["status"]["reason"] = "Aborted"
+    assert act_problem(drift, aborted).startswith("drift-drill was rolled back by Aborted, not by output-divergence")
+
+
+def test_the_report_says_what_rolled_the_drill_back_in_numbers_and_plots_the_divergence(tmp_path):
+    final = drift_rolled_back()
+    t0 = 1_796_000_000.0
+    timeline = Timeline("drift-drill")
+    for i, (compared, divergent, phase) in enumerate([(0, 0, "Progressing"), (1, 0, "Progressing"),
+                                                      (4, 2, "Progressing"), (6, 4, "RolledBack")]):
+        ro = drift_rolled_back()
+        ro["status"].update(phase=phase, weight=20 if phase == "Progressing" else 0)
+        ro["status"]["analysis"]["lastRun"] = f"run {i}"
+        div = ro["status"]["analysis"]["results"][2]
+        div["numbers"].update(compared=compared, divergent=divergent)
+        div["value"] = divergent / compared if compared else None
+        timeline.add(t0 + 10 * i, ro)
+        timeline.add(t0 + 10 * i + 1, ro)       # the same run seen twice: one point
+    png = plot(timeline, tmp_path, {"breaker/output-divergence": 0.05, "breaker/error-rate": 0.005})
+    assert png.exists() and png.stat().st_size > 10_000
+    text = "\n".join(rollout_section(timeline, final, [], png, {"revision": "drift@1,kv-align@3.2.1",
+                                                                 "divergent": 4, "agree": 3, "mean_kl": 1.75}))
+    assert "**Rolled back by `output-divergence`** at step 2/3 (weight 20%)" in text
+    assert "4 divergent of 6 compared requests over the rollout so far (66.7%)" in text
+    assert "lower bound of the divergent share, 9.4%, is above the 5% limit" in text
+    assert "4 divergent, 3 agree, 0 error; mean KL of a compared request 1.75 nats" in text
+    assert "| ttft-p99 | breaker (dry run) | Inconclusive |" in text
+    assert "| error-rate | breaker | Successful | error-rate 0% (0 errors of 22 canary requests" in text
+
+
+def test_the_divergence_series_has_one_point_per_analysis_run():
+    timeline = Timeline("x")
+    for i, run in enumerate(["a", "a", "b", "c", "c"]):
+        ro = drift_rolled_back()
+        ro["status"]["analysis"]["lastRun"] = run
+        ro["status"]["analysis"]["results"][2]["numbers"]["compared"] = i
+        timeline.add(100.0 + i, ro)
+    assert series(timeline.samples, "breaker/output-divergence", "compared") == ([0.0, 2.0, 3.0], [0.0, 2.0, 3.0])
+    assert series(timeline.samples, "breaker/output-divergence", "lower", scale=100)[1] == [9.4, 9.4, 9.4]
+    assert series(timeline.samples, "gate/tpot-p99") == ([], [])

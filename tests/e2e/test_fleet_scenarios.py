@@ -11,7 +11,8 @@ second) through a router that picks Ready pods only. The scenarios use the Kuber
 2. `kubectl scale` after a promotion: the new pod runs the promoted patch before it is Ready;
 3. a second rollout on the fleet queues (Pending, Queued) and runs once the first has ended;
 4. a canary's engine killed as its rollout rolls back comes back without the patch;
-5. an upgrade of an applied patch (kv-align@3.2.1 to the test-only 3.2.2-test) fails no client request;
+5. an upgrade of an applied patch (kv-align@3.2.1 to the test-only 3.2.2-test) fails no client request,
+   and its engines' comparisons of their answers with 3.2.1 all agree;
 6. `spec.action: revert` takes a promoted patch out of every pod and out of the fleet.
 
 Each scenario starts from the fleet at `base` (its PatchFleet emptied, two pods, every one Ready)
@@ -32,6 +33,7 @@ import pytest_asyncio
 
 from graft.operator.pods import is_ready
 from graft.rollout.fleet import PATCHED_CONDITION
+from graft.rollout.queries import COMPARED, DIVERGENT, Context, shadow_query
 from graft.api import BASE, FINAL_PHASES, patches_of
 from tests.e2e.fleet import DEPLOYMENT, ClientLoad, Fleet, Recorder
 from tests.e2e.fleet_support import (FLEET, PODS, GatedFleet, GateWatch, condition, converged, fleet_refs, gate_open,
@@ -282,10 +284,12 @@ async def test_a_canary_killed_during_its_rollback_comes_back_clean(fleet: Fleet
 async def test_an_upgrade_of_an_applied_patch_fails_no_client_request(fleet: Fleet, traffic: ClientLoad):
     """kv-align@3.2.1 on every pod (written to the PatchFleet, as a user may), then a rollout of
     kv-align@3.2.2-test: each engine swaps one version for the other in one call, no pod is ever
-    seen running neither, and every client request is answered."""
+    seen running neither, and every client request is answered. Each engine then compares its
+    answers with the 3.2.1 table it replaced: they compare, and none diverges."""
     await set_fleet_patches(fleet, [builtin(KV)])
     await fleet.wait_for(lambda: converged(fleet, KV, PODS), 60, f"every pod at {KV} from the PatchFleet")
     ro = rollout_manifest(fleet, f"upgrade-{RUN}", KV_NEXT)
+    ro["spec"]["analysis"]["breakers"].append({"name": "output-divergence", "max": 0.05, "consecutive": 1})
     name = ro["metadata"]["name"]
     pods = {p["metadata"]["name"] for p in await fleet.pods()}
     started = time.time()
@@ -307,7 +311,24 @@ async def test_an_upgrade_of_an_applied_patch_fails_no_client_request(fleet: Fle
     answered, failed = traffic.answered(started), traffic.failed(started)
     assert failed == [], f"{len(failed)} client requests failed, first: {failed[0]}"
     assert answered >= (time.time() - started) / 3, f"only {answered} requests answered"
-    print(f"upgrade promoted in {final.t - started:.1f}s; {answered} client requests answered, none failed")
+
+    # the shadow comparisons of 3.2.2-test against 3.2.1: none divergent in any analysis run, and
+    # in Prometheus some compared (the engines go on comparing after the promotion) and none divergent
+    runs = [(r["numbers"]["compared"], r["numbers"]["divergent"]) for s in rec.samples
+            for r in (s.status.get("analysis") or {}).get("results") or []
+            if r["name"] == "output-divergence" and "divergent" in (r.get("numbers") or {})]
+    assert all(divergent == 0 for _, divergent in runs), runs
+    ctx = Context(fleet.namespace, KV_NEXT, KV)
+
+    async def compared() -> dict[str, float] | None:
+        window = round(time.time() - started + 5)
+        counts = {r: await fleet.query(shadow_query(ctx, window, r)) or 0.0 for r in (COMPARED, DIVERGENT)}
+        return counts if counts[COMPARED] > 0 else None
+    counts = await fleet.wait_for(compared, 60, f"the engines' shadow comparisons of {KV_NEXT} in Prometheus")
+    assert counts[DIVERGENT] == 0, counts
+    print(f"upgrade promoted in {final.t - started:.1f}s; {answered} client requests answered, none failed; "
+          f"output-divergence saw {max((c for c, _ in runs), default=0):.0f} compared at most, 0 divergent; "
+          f"Prometheus {counts[COMPARED]:.1f} compared, {counts[DIVERGENT]:.0f} divergent")
 
 
 async def test_revert_takes_a_promoted_patch_out_of_every_pod_and_the_fleet(fleet: Fleet):

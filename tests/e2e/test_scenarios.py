@@ -1,4 +1,4 @@
-"""End to end: real engines, real Prometheus, the real operator, six rollouts one after another.
+"""End to end: real engines, real Prometheus, the real operator, seven rollouts one after another.
 
 Locally (the default) the fleet is `graft.devcluster.DevCluster`: the API server emulator with the
 CRDs from crds/, three `graft serve` pods on 127.0.0.2-4 (the real SmolLM2 model, test patches
@@ -18,7 +18,8 @@ a failed scenario's report shows their tails, the rollout's status and its Event
 Against a real cluster: set
 - `GRAFT_E2E_KUBECONFIG` (and optionally `GRAFT_E2E_CONTEXT`): the cluster to use;
 - `GRAFT_E2E_NAMESPACE` (default `llm`): where an engine Deployment labelled `app=llm-engine` runs,
-  its engines started with `--enable-test-patches` (scenarios 2 and 3 use the test patches);
+  its engines started with `--enable-test-patches` (scenarios 2-4 use the test patches; the drift
+  scenario also needs them to run without `--probe-prompts` as long as the traffic's prompts);
 - `GRAFT_E2E_PROMETHEUS`: the Prometheus the operator queries (its GRAFT_PROMETHEUS_ADDRESS: the
   rollouts name none), as the tests reach it (its targets labelled `namespace` and `instance`, as
   the chart's scrape config does, and scraped every few seconds: the checks' windows need two
@@ -27,9 +28,14 @@ Against a real cluster: set
   the engines' admin token.
 The operator and the CRD must be installed (the Helm chart), and the tests must reach the pod IPs
 (run them in the cluster, or on a routed pod network): they send the client traffic and read each
-engine's admin API and /metrics themselves. Scenarios 1-3 run there unchanged; 4-6 need local
+engine's admin API and /metrics themselves. Scenarios 1-4 run there unchanged; 5-7 need local
 control of a process (SIGKILL the operator, kill an engine, stop Prometheus) and are skipped, with
 that reason.
+
+The scenarios in order: kv-align@3.2.1 promoted step by step (its canaries' shadow comparisons all
+agreeing); fault@1 rolled back by its error-rate breaker; drift@1, answers wrong past a context
+length no probe reaches, rolled back by output-divergence alone; slow@1 rolled back on p99; an
+operator restart; an engine killed; a Prometheus outage.
 """
 from __future__ import annotations
 
@@ -46,11 +52,12 @@ import pytest
 import yaml
 from scipy.stats import binom
 
-from graft.demo import demo_rollout
+from graft.api import BASE
+from graft.demo import demo_rollout, rollback_cause
 from graft.devcluster.cluster import ROOT
 from graft.devcluster.traffic import Outcome
 from graft.rollout.durations import parse_duration
-from graft.rollout.queries import CANARY, Context, quantile_query
+from graft.rollout.queries import CANARY, COMPARED, DIVERGENT, Context, quantile_query, shadow_query
 from graft.rollout.spec import DEFAULT_BREAKERS, parse_spec
 from graft.rollout.status import from_time
 from tests.e2e.fleet import SCRAPE_INTERVAL, ClientLoad, Fleet, Recorder, Sample, canary_pods
@@ -156,18 +163,49 @@ def assert_step_events(events: list[dict[str, Any]], steps: int) -> None:
             assert passed, f"{e['reason']} ({e['message']}) without a passing analysis before it"
 
 
+def divergence_series(rec: Recorder) -> tuple[list[float], list[float]]:
+    """output-divergence's counts (compared, divergent) at each analysis run the recorder saw."""
+    compared, divergent, runs = [], [], set()
+    for s in rec.samples:
+        analysis = s.status.get("analysis") or {}
+        for r in analysis.get("results") or []:
+            numbers = r.get("numbers") or {}
+            if r["name"] == "output-divergence" and "compared" in numbers and analysis.get("lastRun") not in runs:
+                runs.add(analysis.get("lastRun"))
+                compared.append(numbers["compared"])
+                divergent.append(numbers["divergent"])
+    return compared, divergent
+
+
+async def shadow_counts(fleet: Fleet, revision: str, window: float) -> dict[str, float]:
+    """The canary engines' shadow comparisons of `revision` over the last `window` seconds, asked
+    of Prometheus the way output-divergence asks (graft.rollout.queries.shadow_query)."""
+    ctx = Context(fleet.namespace, revision, BASE)
+    return {result: await fleet.query(shadow_query(ctx, round(window), result)) or 0.0
+            for result in (COMPARED, DIVERGENT)}
+
+
 async def test_builtin_patch_is_promoted_step_by_step(fleet: Fleet, traffic: ClientLoad):
     """kv-align@3.2.1 through 1, 5, 20, 50, 100 % of the pods: every pod patched, nothing failed."""
     ro = rollout(fleet, "rollout-cpu-fleet.yaml", "promote")
     name, revision, n = ro["metadata"]["name"], revision_of(ro), fleet.expected_pods
     weights = [s["weight"] for s in ro["spec"]["steps"]]
     assert weights == [1, 5, 20, 50, 100]
+    assert ("breaker", "output-divergence") in {(c.role, c.name) for c in parse_spec(ro["spec"]).analysis.checks
+                                               if not c.dry_run}
     started = time.time()
     async with Recorder(fleet, name, engines=True) as rec:
         await fleet.apply(ro)
         final = await rec.final(FINAL_TIMEOUT)
 
     assert final.phase == "Promoted", final.status.get("message")
+    # the canaries compared their answers with base all along, and none diverged: in the rollout's
+    # own analysis (each run's counts over the rollout so far) and in Prometheus
+    compared, divergent = divergence_series(rec)
+    assert compared and compared[-1] > 0, f"no shadow comparison reached the analysis: {compared[-5:]}"
+    assert max(divergent) == 0, f"divergent comparisons in the analysis: {divergent}"
+    seen = await shadow_counts(fleet, revision, time.time() - started + 5)
+    assert seen[COMPARED] > 0 and seen[DIVERGENT] == 0, seen
     assert (final.status["stableRevision"], final.status["canaryRevision"]) == (revision, revision)
     for i, w in enumerate(weights):
         want = canary_pods(n, w)         # 3 pods: 1, 1, 1, 2, 3
@@ -191,6 +229,8 @@ async def test_builtin_patch_is_promoted_step_by_step(fleet: Fleet, traffic: Cli
             step = step_of(e)
             assert f"{canary_pods(n, weights[step - 1])} of {n} pods" in e["message"], e["message"]
     assert_clients(traffic, started, final.t)
+    print(f"promoted {final.t - started:.0f}s after the start; output-divergence saw {compared[-1]:.0f} compared, "
+          f"0 divergent; Prometheus {seen[COMPARED]:.1f} compared, {seen[DIVERGENT]:.0f} divergent")
 
 
 async def test_faulty_patch_is_rolled_back_at_the_first_step(fleet: Fleet, traffic: ClientLoad):
@@ -265,6 +305,67 @@ async def test_faulty_patch_is_rolled_back_at_the_first_step(fleet: Fleet, traff
           f"in Prometheus {breach - started:.1f}s, rolled back by the run {decided - breach:.1f}s later")
     assert_clients(traffic, started, final.t, allowed=lambda o: (
         o.status == 500 and "injected fault" in o.error and o.pod in canaries and o.at <= final.t))
+
+
+def drift_from_tokens(prompts: list[str]) -> tuple[int, int, int]:
+    """A context length beyond the self-check's reach and below every prompt of the traffic:
+    (fromTokens, the probe's longest context, the shortest prompt), in the engines' tokens."""
+    from graft.engine.loader import load_tokenizer
+    from graft.engine.runner import build_probe_plan
+
+    tokenizer = load_tokenizer()
+    reach = build_probe_plan(tokenizer.encode).longest
+    shortest = min(len(tokenizer.encode(p)) for p in prompts)
+    return (reach + shortest) // 2, reach, shortest
+
+
+async def test_silent_drift_is_rolled_back_by_output_divergence_at_the_first_step(fleet: Fleet, traffic: ClientLoad):
+    """drift@1 answers wrongly past `fromTokens` of context: beyond the longest context the
+    self-check's probe runs (so the apply passes), below every prompt of the traffic (so every
+    answer drifts). It fails no request, and the latency and CPU checks run dry: output-divergence,
+    the canary's comparison of its answers with the table it ran before, rolls it back at step 1."""
+    from_tokens, reach, shortest = drift_from_tokens(traffic.traffic.prompts)
+    assert reach + 8 <= from_tokens <= shortest - 8, (reach, from_tokens, shortest)
+    ro = rollout(fleet, "rollout-drift-test.yaml", "drift")
+    ro["spec"]["patch"]["config"] = {"fromTokens": from_tokens}
+    # a step-1 pause of 90 s: the step cannot end before the canary has compared its answers
+    ro["spec"]["steps"][0]["pause"] = "90s"
+    name, revision = ro["metadata"]["name"], revision_of(ro)
+    analysis = parse_spec(ro["spec"]).analysis
+    acting = {(c.role, c.name) for c in analysis.checks if not c.dry_run}
+    assert acting == {("breaker", "error-rate"), ("breaker", "output-divergence"), ("gate", "error-rate-delta")}, acting
+    assert {c.name for c in analysis.checks if c.dry_run} == {"ttft-p99", "tpot-p99", "cpu"}
+    (check,) = [c for c in analysis.breakers if c.name == "output-divergence"]
+    started = time.time()
+    async with Recorder(fleet, name) as rec:
+        await fleet.apply(ro)
+        final = await rec.final(FINAL_TIMEOUT)
+
+    st = final.status
+    assert final.phase == "RolledBack", st.get("message")
+    assert st["reason"] == "AnalysisFailed" and st["stepIndex"] == 0, st
+    assert rollback_cause({"status": st}) == ["output-divergence"], st.get("cause")
+    results = {r["name"]: r for r in st["analysis"]["results"]}
+    numbers = results["output-divergence"]["numbers"]
+    assert results["output-divergence"]["verdict"] == "Failed"
+    assert numbers["divergent"] >= 3 and numbers["lower"] > check.max, numbers
+    assert results["error-rate"]["verdict"] != "Failed", results["error-rate"]
+    events = await fleet.events(name)
+    fails = [e["message"] for e in events if e["reason"] == "AnalysisFailed"]
+    assert fails and all(m.startswith("breaker output-divergence ") for m in fails), fails
+    (rolling,) = [e["message"] for e in events if e["reason"] == "RollingBack"]
+    assert "breaker output-divergence" in rolling and f"reverting {revision}" in rolling, rolling
+    assert [step_of(e) for e in events if e["reason"] == "StepStarted"] == [1]
+    # the canary's own counters, as Prometheus scraped them, say the same
+    seen = await shadow_counts(fleet, revision, time.time() - started + 5)
+    assert seen[DIVERGENT] > 0, seen
+    await fleet.wait_for(lambda: settled(fleet, "base", "stable"), 30, "every pod back at base")
+    # nothing else saw it: every client request was answered
+    assert_clients(traffic, started, final.t)
+    print(f"fromTokens {from_tokens} (probe reach {reach}, shortest prompt {shortest}): rolled back "
+          f"{final.t - started:.0f}s after the start on {numbers['divergent']:.0f} divergent of "
+          f"{numbers['compared']:.0f} compared requests (lower bound {numbers['lower']:.3g}); "
+          f"Prometheus: {seen[DIVERGENT]:.1f} divergent of {seen[COMPARED]:.1f}")
 
 
 async def settled(fleet: Fleet, revision: str, track: str) -> bool:
