@@ -8,9 +8,10 @@ graft.dev/patched, a real Prometheus, the operator), steady BBH traffic, and, fr
 2. the fleet's durable state: the engine Deployment scaled up by one pod, which the PatchFleet
    controller patches to the promoted revision before its gate lets it take traffic; the demo fails
    if the new pod is not Ready at that revision, and answering, within --scale-timeout;
-3. the silent-drift drill (rollout-drift-test.yaml): drift@1 answers wrongly past 512 tokens of
-   context while its error rate and latency stay flat; it must be rolled back by output-divergence,
-   the canary's comparison of its answers with the table it ran before;
+3. the silent-drift drill (rollout-drift-test.yaml): drift@1 answers wrongly past 208 tokens of
+   context (beyond the self-check's probe, below every prompt the traffic sends) while its error
+   rate and latency stay flat; it must be rolled back by output-divergence, the canary's comparison
+   of its answers with the table it ran before;
 4. the fault@1 fire drill, rolled back by its error-rate breaker (rollout-fault-test.yaml).
 
 The examples run as written, their checks and thresholds included; only their pauses and analysis
@@ -71,11 +72,10 @@ class Act:
 
 
 # The drift drill's first step holds 50 s: its one canary compares at least 6 of its answers a
-# minute once the first recorded requests have finished (a few seconds each on this CPU). The
-# least evidence that rolls back is 3 divergent of 3 compared requests, or 3 of 4 (docs/analysis.md);
-# with fromTokens 512 a third of the demo's prompts are shorter and agree, so the canary needs about
-# four comparisons. A step that ends first changes nothing but the step the drill is rolled back at:
-# the breaker counts every comparison since the rollout began.
+# minute once the first recorded requests have finished (a few seconds each on this CPU), and 3
+# divergent of 3 compared requests are the least evidence that rolls back (docs/analysis.md). A step
+# that ends first changes only the step the drill is rolled back at: the breaker counts every
+# comparison since the rollout began, and its gate holds the last step with stable pods.
 DRIFT_FIRST_PAUSE = 50.0
 ACTS = (
     Act("rollout-cpu-fleet.yaml", "Promoted", scale_up=True),
@@ -613,18 +613,19 @@ def decision_lines(timeline: Timeline, ro: dict[str, Any], shadow: dict[str, flo
     behind a promotion), when, and what every check saw in the last analysis run."""
     st = ro.get("status") or {}
     results = (st.get("analysis") or {}).get("results") or []
-    by_name = {r["name"]: r for r in results}
+    by_name: dict[str, dict[str, Any]] = {}     # a check by name: its failing result first, a breaker's next
+    for r in sorted(results, key=lambda r: (r.get("verdict") != "Failed", r.get("role", "breaker") != "breaker")):
+        by_name.setdefault(r["name"], r)
     t0 = timeline.samples[0]["t"] if timeline.samples else None
     run = from_time((st.get("analysis") or {}).get("lastRun"))
     after = f"{run - t0:.0f} s after the rollout was applied" if run and t0 else "at the last analysis run"
     lines: list[str] = []
     causes = rollback_cause(ro)
     if causes:
-        steps = len(ro["spec"].get("steps") or DEFAULT_STEPS)
-        at = [x for x in timeline.samples if x["phase"] == "Progressing"]
-        weight = at[-1]["weight"] if at else st.get("weight")
+        steps = ro["spec"].get("steps") or DEFAULT_STEPS
+        index = min(int(st.get("stepIndex") or 0), len(steps) - 1)
         lines.append(f"**Rolled back by {', '.join(f'`{c}`' for c in causes)}** at step "
-                     f"{int(st.get('stepIndex') or 0) + 1}/{steps} (weight {weight}%), {after}:")
+                     f"{index + 1}/{len(steps)} (weight {steps[index].get('weight')}%), {after}:")
         lines.append("")
         for c in causes:
             r = by_name[c]

@@ -138,7 +138,8 @@ def drift_rolled_back(cause: str = "breaker output-divergence 4 divergent of 6 c
          "numbers": {"compared": 6, "divergent": 4, "share": 0.667, "lower": 0.094, "upper": 0.937, "limit": 0.05}},
     ]
     return {"metadata": {"name": "drift-drill"},
-            "spec": {"patch": {"name": "drift", "version": "1"}, "steps": [{"weight": 20}, {"weight": 50}, {}]},
+            "spec": {"patch": {"name": "drift", "version": "1"},
+                     "steps": [{"weight": 20}, {"weight": 50}, {"weight": 100}]},
             "status": {"phase": "RolledBack", "reason": "AnalysisFailed", "stepIndex": 1, "weight": 0,
                        "cause": f"analysis failed at step 2/3: {cause}",
                        "message": "drift@1 reverted on every pod; all run kv-align@3.2.1",
@@ -155,16 +156,18 @@ def test_the_third_act_is_the_drift_drill_rolled_back_by_output_divergence():
 def test_the_drift_example_acts_on_errors_and_divergence_alone():
     ro = yaml.safe_load((ROOT / "examples" / "rollout-drift-test.yaml").read_text())
     assert ro["spec"]["patch"] == {"name": "drift", "version": "1", "source": {"builtin": {}},
-                                   "config": {"fromTokens": 512}}
+                                   "config": {"fromTokens": 208}}
     checks = parse_spec(ro["spec"]).analysis.checks
     assert {(c.role, c.name) for c in checks if not c.dry_run} == {
-        ("breaker", "error-rate"), ("breaker", "output-divergence"), ("gate", "error-rate-delta")}
+        ("breaker", "error-rate"), ("breaker", "output-divergence"), ("gate", "error-rate-delta"),
+        ("gate", "output-divergence")}
     assert {c.name for c in checks if c.dry_run} == {"ttft-p99", "tpot-p99", "cpu"}
 
 
 def test_an_act_may_hold_its_first_step_longer_than_the_pause_flag():
     ro = demo_rollout(ROOT / "examples" / "rollout-drift-test.yaml", "llm", "8s", "2s", first_pause=50)
     assert [s.get("pause") for s in ro["spec"]["steps"]] == ["50s", "8s", None]
+    assert ro["spec"]["patch"]["config"] == {"fromTokens": 208}
     assert ro["spec"]["analysis"]["interval"] == "2s" and ro["metadata"]["namespace"] == "llm"
     ro = demo_rollout(ROOT / "examples" / "rollout-drift-test.yaml", "llm", "90s", "2s", first_pause=50)
     assert [s.get("pause") for s in ro["spec"]["steps"]] == ["90s", "90s", None]
@@ -205,7 +208,7 @@ def test_the_report_says_what_rolled_the_drill_back_in_numbers_and_plots_the_div
     assert png.exists() and png.stat().st_size > 10_000
     text = "\n".join(rollout_section(timeline, final, [], png, {"revision": "drift@1,kv-align@3.2.1",
                                                                  "divergent": 4, "agree": 3, "mean_kl": 1.75}))
-    assert "**Rolled back by `output-divergence`** at step 2/3 (weight 20%)" in text
+    assert "**Rolled back by `output-divergence`** at step 2/3 (weight 50%)" in text
     assert "4 divergent of 6 compared requests over the rollout so far (66.7%)" in text
     assert "lower bound of the divergent share, 9.4%, is above the 5% limit" in text
     assert "4 divergent, 3 agree, 0 error; mean KL of a compared request 1.75 nats" in text
