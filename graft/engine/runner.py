@@ -162,7 +162,8 @@ class ModelRunner:
 #
 # The probe runs the engine the way requests do, on KV blocks kept aside for it, with every input
 # teacher-forced (fixed token ids, never sampled), so two slot tables can be compared logit by
-# logit. The built-in plan, at 64-token blocks (every length scales with the block size `b`):
+# logit. The built-in plan, at 64-token blocks (A's lengths and B's shared prefix scale with the
+# block size `b`):
 #
 # - A, a long context: 188 prompt tokens (3b - 4, four blocks once decoded) prefilled in three
 #   chunks ending at 40, 130 and 188, so chunk boundaries fall inside blocks, chunks cross block
@@ -252,10 +253,6 @@ class ProbePlan:
     rows: tuple[ProbeRow, ...]          # one per logits row, in the order the forwards produce them
     num_blocks: int                     # KV blocks the plan needs kept aside
     longest: int                        # the longest context it runs, in tokens
-
-    def rows_of(self, index: int) -> int:
-        f = self.forwards[index]
-        return sum(n for _, n in f.prefills) + len(f.decodes)
 
 
 def _builtin_geometry(block_size: int) -> dict[str, int]:

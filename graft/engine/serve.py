@@ -178,6 +178,7 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> None:
     engine.start()
     model_name = opts.served_model_name or served_name(config.model)
     apps = [(build_app(engine, model_name), opts.host, opts.port, {})]
+    manager = None
     if admin is not None:
         from graft.engine.admin import build_admin_app
         from graft.engine.patches.manager import PatchManager
@@ -210,6 +211,8 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> None:
     admin_url = f"{'https' if admin.ssl else 'http'}://{opts.admin_host}:{opts.admin_port}" if admin else None
     print(f"graft engine serving {model_name} on http://{opts.host}:{opts.port}"
           + (f", admin on {admin_url}" if admin_url else ""), flush=True)
+    # the self-check's reference for the running revision, so the first apply probes the new table alone
+    warm = asyncio.create_task(manager.warm_up()) if manager is not None else None
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for t in done:
@@ -218,4 +221,6 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         watcher.cancel()
+        if warm is not None:
+            warm.cancel()
         engine.stop()

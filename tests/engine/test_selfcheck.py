@@ -294,10 +294,12 @@ def test_a_probe_prompt_of_ones_own_makes_the_probe_compare_more_positions(tmp_p
     try:
         assert eng.engine.probe_plan.longest == n
         assert len(eng.engine.probe_blocks) == -(-n // 64) > len(fp32.engine.probe_blocks)
+        asyncio.run(eng.manager.warm_up())   # as graft serve does at start-up: the base revision's logits
         r = eng.apply("kv-align")
         assert r.status_code == 200, r.text
         figures = r.json()["selfCheck"]
         assert figures["positions"] == builtin + n
+        assert figures["pieces"] == len(eng.engine.probe_plan.forwards) + 2   # no reference left to compute
         parts = {p["part"]: p["positions"] for p in figures["parts"]}
         assert parts["prefill prompt 1"] == n - 2 and parts["decode prompt 1"] == 2
         # the built-in plan reaches 196 tokens; this prompt, past 256

@@ -488,6 +488,24 @@ class PatchManager:
             await self._unmigrate(current.patch)
             return {"revision": self.revision, "applyMs": round(ms, 3), "changed": True}
 
+    async def warm_up(self) -> None:
+        """Compute the current revision's probe logits ahead of the first apply (in pieces between
+        steps, as a self-check does), so that apply pays only for the tentative table's probe; what
+        goes wrong here is logged and left to the first apply to meet."""
+        async with self._lock:
+            state = self.engine.state
+            try:
+                t0 = time.perf_counter()
+                pieces = _Pieces(self.engine, state)
+                await self._reference(state, pieces)
+                log.info("self-check reference of %s: %d positions in %.0f ms (longest pause %.0f ms)",
+                         state.revision, len(self.engine.probe_plan.rows), (time.perf_counter() - t0) * 1000,
+                         pieces.longest)
+            except _StateChanged:
+                pass
+            except Exception:
+                log.exception("computing the self-check reference of %s failed", state.revision)
+
     async def apply_startup(self, spec: str) -> None:
         """Apply `name@version,...` (GRAFT_PATCHES) at start-up; a bad entry stops the process."""
         for name, version in parse_patch_list(spec):
