@@ -41,7 +41,7 @@ class ClusterOptions:
     workdir: Path
     namespace: str = "llm"
     pods: int = 3
-    kv_cache_memory: str = "192M"
+    kv_cache_memory: str = "256M"   # fp32: room for 1,280 tokens of shadow comparison (a BBH prompt and its answer)
     max_num_batched_tokens: int = 256
     scrape_interval: str = "1s"
     operator: bool = True

@@ -189,7 +189,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch threads for the model (default 0: one per core); the HTTP server, tokenizer "
                         "and step loop run beside them")
     s = p.add_argument_group("shadow comparison (after an apply, answers compared with the previous table)")
-    s.add_argument("--shadow-rate", type=_fraction, default=os.environ.get("GRAFT_SHADOW_RATE", _default("shadow_rate")),
+    s.add_argument("--shadow-rate", type=_fraction, default=os.environ.get("GRAFT_SHADOW_RATE") or _default("shadow_rate"),
                    help="share of requests recorded for comparison, 0 turns shadowing off (env GRAFT_SHADOW_RATE, "
                         "which the chart fills from the pod annotation graft.dev/shadow-rate)")
     s.add_argument("--shadow-budget", type=_fraction, default=_default("shadow_budget"),

@@ -42,6 +42,7 @@ from graft.engine.runner import (DTYPES, ModelRunner, ProbePlan, ProbeRun, build
 from graft.engine.sampler import sample_per_row
 from graft.engine.scheduler import QueueFull, Scheduler, default_policy
 from graft.engine.sequence import FinishReason, InvalidParam, SamplingParams, Sequence, TokenLogprobs
+from graft.engine.shadow import ShadowComparator, ShadowSettings
 
 log = logging.getLogger(__name__)
 
@@ -128,13 +129,15 @@ class GuardedSampler:
         self.vocab_size = vocab_size
         self.failures: dict[int, str] = {}
         self.logprobs: dict[int, TokenLogprobs] = {}
+        self.logits: torch.Tensor | None = None   # the last call's, for the shadow comparison
 
     def reset(self) -> None:
-        self.failures, self.logprobs = {}, {}
+        self.failures, self.logprobs, self.logits = {}, {}, None
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
         self.reset()
+        self.logits = logits
         states = [gen.get_state() if gen is not None else None for gen in generators]
         try:
             tokens = list(self.sampler(logits, params, generators))
@@ -269,7 +272,11 @@ class LLMEngine:
                              f"for its probe ({self.probe_plan.longest} tokens at most), leaving none for requests: "
                              "raise --kv-cache-memory")
         self.probe_blocks = list(range(total - need, total))
-        self.block_manager = BlockManager(total - need, config.block_size, config.enable_prefix_caching)
+        # below the probe's, the blocks the shadow comparison runs on (at most a quarter of the cache)
+        total -= need
+        shadow_n = min(-(-config.shadow_max_tokens // config.block_size), total // 4)
+        shadow_blocks = list(range(total - shadow_n, total))
+        self.block_manager = BlockManager(total - shadow_n, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         slots = default_slots(default_policy, sample_per_row, config.paths).with_slots({"request.outcome": no_outcome})
         if self.device.type == "cuda":  # the Triton kernels serve the hot loops on a GPU
@@ -279,6 +286,10 @@ class LLMEngine:
         self._state = EngineState(slots)
         self.metrics = EngineMetrics()
         self.metrics.set_revision(None, self.revision)
+        self.shadow = ShadowComparator(
+            ShadowSettings(rate=config.shadow_rate, budget=config.shadow_budget, floor=config.shadow_floor,
+                           max_tokens=config.shadow_max_tokens),
+            self.runner, shadow_blocks, self.dtype, self.metrics, seed=config.seed)
         self.eos_ids = set(self.tokenizer.stop_token_ids)
         self._guard: tuple[SlotTable, SlotTable, GuardedSampler] | None = None
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -339,6 +350,7 @@ class LLMEngine:
         """Install `state` and return the one it replaces. Step loop only, between two steps."""
         old, self._state = self._state, state
         self.metrics.set_revision(old.revision, state.revision)
+        self.shadow.on_swap(old, state)
         return old
 
     def probe(self, slots: SlotTable) -> ProbeRun:
@@ -468,6 +480,7 @@ class LLMEngine:
                 return
         seq.revision = self.revision
         self.metrics.request_started(seq.revision)
+        self.shadow.admit(seq)
 
     def _loop(self) -> None:
         while self._running:
@@ -475,8 +488,9 @@ class LLMEngine:
             batch = self.scheduler.schedule(self.slots["scheduler.policy"], time.monotonic())
             if batch is None:
                 self._update_gauges()
-                self._wakeup.wait(0.05)
-                self._wakeup.clear()
+                if not self.shadow.work(busy=False):   # idle time goes to shadow work first
+                    self._wakeup.wait(0.05)
+                    self._wakeup.clear()
                 continue
             try:
                 self._step(batch)
@@ -484,6 +498,7 @@ class LLMEngine:
                 log.exception("engine step failed; failing the requests of this step")
                 for seq in [*(s for s, _ in batch.prefills), *batch.decodes]:
                     self._fail(seq.seq_id, "internal error while running the model")
+            self.shadow.work(busy=True)
         self._drain_inbox()
         for seq_id in list(self._streams):
             seq = self.scheduler.finish(seq_id, FinishReason.ABORT)
@@ -505,6 +520,8 @@ class LLMEngine:
         rows = list(tokens)  # seq ids in the order of the sampler's rows
         for row, message in guard.failures.items():
             self._fail(rows[row], message)
+        if guard.logits is not None and self.shadow.active:
+            self._record_shadow(batch, rows, guard)
         got, finished = self.scheduler.postprocess(batch, tokens, self.eos_ids)
         now = time.monotonic()
         logprobs = {rows[row]: lp for row, lp in guard.logprobs.items()}
@@ -517,6 +534,19 @@ class LLMEngine:
         for seq in finished:
             self._retire(seq)
         self._update_gauges()
+
+    def _record_shadow(self, batch, rows: list[int], guard: GuardedSampler) -> None:
+        """Hand the shadow comparison the live distribution of each recorded row of this step."""
+        recorded = {s.seq_id: s for s in batch.sampling if s.shadow is not None}
+        if not recorded:
+            return
+        try:
+            self.shadow.record([(i, recorded[sid]) for i, sid in enumerate(rows)
+                                if sid in recorded and i not in guard.failures], guard.logits)
+        except Exception:   # shadow work never fails a request: stop recording these instead
+            log.exception("recording the shadow distributions of %d requests failed", len(recorded))
+            for seq in recorded.values():
+                seq.shadow = None
 
     def _guarded_slots(self) -> tuple[SlotTable, GuardedSampler]:
         """The current slot table with its sampler guarded; rebuilt only when the table changes."""
@@ -577,6 +607,10 @@ class LLMEngine:
             if error is not None:
                 reason = FinishReason.ERROR
         self.runner.release(seq)
+        if seq.shadow is not None:
+            if reason in (FinishReason.STOP, FinishReason.LENGTH):
+                self.shadow.finished(seq)
+            seq.shadow = None
         # counted before the client hears of it, so a scrape after an answer always includes it
         rev = self.revision
         status = "error" if reason is FinishReason.ERROR else "abandoned" if reason is FinishReason.ABORT else "ok"

@@ -186,6 +186,8 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> None:
                                bundle_timeout=opts.bundle_timeout)
         if opts.patches:
             await manager.apply_startup(opts.patches)
+            # the start-up patches were never run the other way here: nothing to compare against
+            await engine.between_steps(engine.shadow.forget)
         apps.append((build_admin_app(manager, admin.token), opts.admin_host, opts.admin_port, admin.ssl))
     servers = [_Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
                                       access_log=False, timeout_graceful_shutdown=5, **tls))

@@ -71,7 +71,7 @@ class ShadowSettings:
     budget: float = 0.03        # share of wall time the step loop may spend on shadow work
     floor: float = 6.0          # comparisons a minute that run beyond the budget
     max_tokens: int = 2048      # longest request compared (prompt and output): sets the blocks kept aside
-    chunk: int = 512            # teacher-forced tokens per slice
+    chunk: int = 256            # teacher-forced tokens per slice: the longest pause it puts between two steps
     busy_gap: float = 1.0       # seconds between slices while requests are running
     top_k: int = 32             # alternatives recorded per generated position
     positions: int = 256        # generated positions compared per request (the last ones)
@@ -304,6 +304,12 @@ class ShadowComparator:
         return True
 
     def describe(self) -> dict[str, Any]:
+        """What `GET /admin/patches` says of it (read from the event loop: plain values only)."""
+        previous, last = self.previous, self.last
         return {"active": self.active, "revision": self.revision,
-                "against": getattr(self.previous, "revision", None), "queued": len(self._queue)
-                + (self._job is not None), "limits": {"kl": self.limits.kl, "agreement": self.limits.agreement}}
+                "against": previous.revision if previous is not None else None,
+                "queued": len(self._queue) + (self._job is not None), "capacityTokens": self.capacity,
+                "limits": {"meanKl": self.limits.kl, "agreement": self.limits.agreement},
+                "last": None if last is None else {"positions": last.positions, "meanKl": last.mean_kl,
+                                                   "maxKl": last.max_kl, "agreement": last.agreement,
+                                                   "divergent": last.divergent}}

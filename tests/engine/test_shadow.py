@@ -307,3 +307,24 @@ def test_a_registered_patch_that_only_reorders_the_schedule_agrees(served, promp
         assert counts["agree"] == 2 and engine.shadow.last.mean_kl == pytest.approx(0, abs=1e-6)
     finally:
         _revert(manager, loop, "fifo")
+
+
+def test_graft_serve_compares_after_an_admin_apply_but_not_after_its_start_up_patches(tmp_path):
+    """A restarted container comes back with GRAFT_PATCHES: it never ran them the other way, so it has
+    nothing to compare against until the next apply; GET /admin/patches says which."""
+    from tests.support import start_engine
+    eng = start_engine(tmp_path, env={"GRAFT_PATCHES": "kv-align@3.2.1"})
+    try:
+        with eng.admin() as admin:
+            shadow = admin.get("/admin/patches").json()["shadow"]
+            assert shadow["active"] is False and shadow["against"] is None
+            r = admin.post("/admin/patches", json={"name": "sync-free", "version": "3.2.1", "source": {"builtin": True}})
+            assert r.status_code == 200, r.text
+            shadow = admin.get("/admin/patches").json()["shadow"]
+            assert shadow["active"] is True
+            assert (shadow["revision"], shadow["against"]) == ("kv-align@3.2.1,sync-free@3.2.1", "kv-align@3.2.1")
+            assert shadow["capacityTokens"] > 0 and shadow["limits"]["meanKl"] == LIMITS[torch.float32].kl
+            assert admin.delete("/admin/patches/sync-free").status_code == 200
+            assert admin.get("/admin/patches").json()["shadow"]["active"] is False
+    finally:
+        eng.stop()

@@ -353,7 +353,8 @@ class PatchManager:
                 "applied": [a.describe() for a in sorted(state.patches.values(), key=lambda a: a.patch.name)],
                 "available": [{"name": p.name, "version": p.version, "description": p.description,
                                "slots": sorted(p.slots), "liveSwitch": p.live_switch}
-                              for p in sorted(self.available.values(), key=lambda p: p.id)]}
+                              for p in sorted(self.available.values(), key=lambda p: p.id)],
+                "shadow": self.engine.shadow.describe()}
 
     # resolution
     def admit(self, name: str, version: str, source: Mapping[str, Any]) -> str:
