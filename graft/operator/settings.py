@@ -34,7 +34,7 @@ class OperatorSettings:
     admin_scheme: str = "http"
     admin_ca_file: str | None = None       # PEM CA bundle: the admin API is called over verified https
     admin_tls_server_name: str | None = None  # the name the engines' certificate must carry
-    admin_timeout: float = 10.0            # seconds per admin API call (a patch can drain the engine)
+    admin_timeout: float = 60.0            # seconds per admin API call: an apply runs the self-check (seconds on a CPU)
     admin_concurrency: int = 16            # admin API calls in flight at once
     admin_retries: int = 2                 # retries of a call that did not reach the engine
     prometheus_timeout: float = 5.0
@@ -77,7 +77,7 @@ class OperatorSettings:
             admin_scheme=env.get("GRAFT_ADMIN_SCHEME") or ("https" if env.get("GRAFT_ADMIN_CA_FILE") else "http"),
             admin_ca_file=env.get("GRAFT_ADMIN_CA_FILE") or None,
             admin_tls_server_name=env.get("GRAFT_ADMIN_TLS_SERVER_NAME") or None,
-            admin_timeout=number("GRAFT_ADMIN_TIMEOUT", 10.0),
+            admin_timeout=number("GRAFT_ADMIN_TIMEOUT", 60.0),
             admin_concurrency=int(number("GRAFT_ADMIN_CONCURRENCY", 16)),
             admin_retries=int(number("GRAFT_ADMIN_RETRIES", 2)),
             prometheus_timeout=number("GRAFT_PROMETHEUS_TIMEOUT", 5.0),
