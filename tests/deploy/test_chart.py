@@ -303,6 +303,9 @@ def test_engine_pods_read_their_patches_from_the_pod_annotation(chart):
     assert env["GRAFT_PATCHES"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['graft.dev/patches']"
     assert template["metadata"]["annotations"]["graft.dev/patches"] == "kv-align@3.2.1"
     assert template["spec"]["automountServiceAccountToken"] is False
+    # the shadow comparison's rate, from the pod annotation (an absent one is empty: the default)
+    assert env["GRAFT_SHADOW_RATE"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['graft.dev/shadow-rate']"
 
 
 def test_engine_admin_api_listens_on_the_pod_ip(chart):

@@ -328,3 +328,23 @@ def test_graft_serve_compares_after_an_admin_apply_but_not_after_its_start_up_pa
             assert admin.get("/admin/patches").json()["shadow"]["active"] is False
     finally:
         eng.stop()
+
+
+def test_the_shadow_rate_comes_from_its_flag_or_the_pod_annotation_env(monkeypatch):
+    import argparse
+    from graft.engine.config import add_engine_args, config_from_args
+
+    def parsed(*argv: str) -> EngineConfig:
+        p = argparse.ArgumentParser()
+        add_engine_args(p)
+        return config_from_args(p.parse_args(["--dtype", "float32", *argv]))
+    monkeypatch.delenv("GRAFT_SHADOW_RATE", raising=False)
+    assert parsed().shadow_rate == 1.0
+    monkeypatch.setenv("GRAFT_SHADOW_RATE", "")          # the Downward API's value of an absent annotation
+    assert parsed().shadow_rate == 1.0
+    monkeypatch.setenv("GRAFT_SHADOW_RATE", "0.25")
+    assert parsed().shadow_rate == 0.25
+    assert parsed("--shadow-rate", "0").shadow_rate == 0.0
+    monkeypatch.setenv("GRAFT_SHADOW_RATE", "lots")
+    with pytest.raises(SystemExit):
+        parsed()
