@@ -208,6 +208,8 @@ def test_bench_refuses_bad_arguments_before_starting_anything(tmp_path):
     assert bench_main(parser.parse_args(["patches", "--patches", "kv-align", "--out", str(tmp_path)])) == 2
     assert bench_main(parser.parse_args(["apply", "--data-dir", str(tmp_path)])) == 2
     assert bench_main(parser.parse_args(["patches", "--patches", "base", "--out", str(tmp_path)])) == 2
+    # the shadow suite needs a patch to apply, or the engine has nothing to compare against
+    assert bench_main(parser.parse_args(["shadow", "--patches", "", "--out", str(tmp_path)])) == 2
     assert not any(tmp_path.iterdir())
 
 
