@@ -71,12 +71,14 @@ class Act:
     scale_up: bool = False              # once it is promoted, the fleet grows by one pod
 
 
-# The drift drill's first step holds 50 s: its one canary compares at least 6 of its answers a
-# minute once the first recorded requests have finished (a few seconds each on this CPU), and 3
-# divergent of 3 compared requests are the least evidence that rolls back (docs/analysis.md). A step
-# that ends first changes only the step the drill is rolled back at: the breaker counts every
-# comparison since the rollout began, and its gate holds the last step with stable pods.
-DRIFT_FIRST_PAUSE = 50.0
+# The drift drill's first step holds up to 90 s: it is rolled back as soon as its canary has compared
+# 3 of its answers, all divergent, the least evidence that rolls back (docs/analysis.md), which takes
+# 20-35 s on a quiet machine (at least 6 comparisons a minute once the first recorded requests have
+# finished). The pause only matters on a loaded machine, where the patch's self-check and the
+# comparisons take longer; a step that ends first changes only the step the drill is rolled back
+# at: the breaker counts every comparison since the rollout began, and its gate holds the last
+# step with stable pods.
+DRIFT_FIRST_PAUSE = 90.0
 ACTS = (
     Act("rollout-cpu-fleet.yaml", "Promoted", scale_up=True),
     Act("rollout-drift-test.yaml", "RolledBack", rolled_back_by="output-divergence", first_pause=DRIFT_FIRST_PAUSE),
@@ -476,9 +478,9 @@ def _key(samples: Sequence[dict[str, Any]], name: str) -> str | None:
 
 
 def series(samples: Sequence[dict[str, Any]], key: str | None, number: str | None = None,
-           scale: float = 1.0) -> tuple[list[float], list[float]]:
+           scale: float = 1.0, missing: float = float("nan")) -> tuple[list[float], list[float]]:
     """One check's value (or one of its `numbers`) over time, one point per analysis run, as
-    (seconds since the first sample, value); NaN where the run had none."""
+    (seconds since the first sample, value); `missing` where the run had none (NaN: no point)."""
     if key is None or not samples:
         return [], []
     t0, ts, vs, runs = samples[0]["t"], [], [], set()
@@ -489,7 +491,7 @@ def series(samples: Sequence[dict[str, Any]], key: str | None, number: str | Non
         runs.add(x.get("run"))
         v = r.get("value") if number is None else (r.get("numbers") or {}).get(number)
         ts.append(x["t"] - t0)
-        vs.append(float("nan") if v is None else float(v) * scale)
+        vs.append(missing if v is None else float(v) * scale)
     return ts, vs
 
 
@@ -527,10 +529,11 @@ def plot(timeline: Timeline, out: Path, thresholds: dict[str, float]) -> Path:
     # error rate: the canary's, and canary minus stable
     key, gate = _key(s, "error-rate"), _key(s, "error-rate-delta")
     drawn = False
-    for k, label, color in ((key, "canary error rate", "tab:orange"), (gate, "canary - stable (pp)", "tab:purple")):
+    for k, label, color, style in ((key, "canary error rate", "tab:orange", "o-"),
+                                   (gate, "canary - stable (pp)", "tab:purple", ".--")):
         x, y = series(s, k, scale=100)
         if x:
-            errors.plot(x, y, marker=".", color=color, label=label + _dry(s, k))
+            errors.plot(x, y, style, markersize=4, color=color, label=label + _dry(s, k))
             drawn = True
     if key in thresholds:
         errors.axhline(thresholds[key] * 100, color="tab:red", linestyle="--", label="error-rate limit")
@@ -548,7 +551,11 @@ def plot(timeline: Timeline, out: Path, thresholds: dict[str, float]) -> Path:
                              label=f"{name.split('-')[0].upper()} p99 {side}{_dry(s, k)}")
                 drawn = True
     if drawn:
+        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
         latency.set_yscale("log")
+        latency.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        latency.yaxis.set_major_formatter(ScalarFormatter())
+        latency.yaxis.set_minor_formatter(NullFormatter())
         latency.legend(loc="upper left", fontsize=8, ncol=2)
     else:
         _empty(latency, "latency check")
@@ -556,11 +563,14 @@ def plot(timeline: Timeline, out: Path, thresholds: dict[str, float]) -> Path:
 
     # output divergence: the shadow comparisons over the rollout so far
     key = _key(s, "output-divergence")
-    x, n = series(s, key, "compared")
+    x, n = series(s, key, "compared", missing=0.0)     # a run with no comparison saw none
     if x:
-        _, k = series(s, key, "divergent")
-        compared.step(x, n, where="post", color="tab:blue", label="compared")
-        compared.step(x, k, where="post", color="tab:red", label="divergent")
+        _, k = series(s, key, "divergent", missing=0.0)
+        compared.step(x, n, where="post", color="tab:blue", linewidth=2.5, alpha=0.6, label="compared")
+        compared.plot(x, n, ".", color="tab:blue")
+        compared.step(x, k, where="post", color="tab:red", linestyle="--", label="divergent")
+        compared.plot(x, k, "x", color="tab:red")
+        compared.set_ylim(-0.5, max(max(n), 3) * 1.15)
         compared.legend(loc="upper left", fontsize=8)
         _, v = series(s, key, scale=100)
         _, lo = series(s, key, "lower", scale=100)
@@ -789,14 +799,19 @@ async def _story(args: argparse.Namespace, paths: DemoPaths, console: Console, p
             await cluster.__aexit__(None, None, None)
 
 
-async def shadow_totals(cluster: DevCluster, revision: str | None) -> dict[str, float] | None:
-    """The canaries' own shadow counters for `revision`, as Prometheus has them now: compared
-    requests by result, and the mean KL of a compared request; None when it cannot say."""
+async def shadow_totals(cluster: DevCluster, revision: str | None, window: float) -> dict[str, Any] | None:
+    """The canaries' own shadow counters for `revision` as Prometheus scraped them over the last
+    `window` seconds (each engine's highest count: a canary reverted since keeps what it counted):
+    compared requests by result, and the mean KL of a compared request; None when it cannot say."""
     if not revision or cluster.prometheus is None:
         return None
     sel = f'namespace="{cluster.namespace}",revision="{revision}"'
-    queries = {"by_result": f"sum by (result) (graft_shadow_requests_total{{{sel}}})",
-               "mean_kl": f"sum(graft_shadow_divergence_nats_sum{{{sel}}}) / sum(graft_shadow_divergence_nats_count{{{sel}}})"}
+    w = f"[{max(1, math.ceil(window))}s]"
+
+    def total(metric: str) -> str:
+        return f"sum(max_over_time({metric}{{{sel}}}{w}))"
+    queries = {"by_result": f"sum by (result) (max_over_time(graft_shadow_requests_total{{{sel}}}{w}))",
+               "mean_kl": f"{total('graft_shadow_divergence_nats_sum')} / {total('graft_shadow_divergence_nats_count')}"}
     out: dict[str, Any] = {"revision": revision}
     try:
         async with httpx.AsyncClient(timeout=5.0) as client:
@@ -825,7 +840,8 @@ async def _one_rollout(cluster: DevCluster, act: Act, traffic, console: Console,
                       f"aborting it[/] ({final.get('status', {}).get('message', '')})")
         final = await abort_unfinished(cluster, ro)
     events = await cluster.events(ro["metadata"]["name"])
-    shadow = await shadow_totals(cluster, final.get("status", {}).get("canaryRevision"))
+    since = timeline.samples[0]["t"] if timeline.samples else time.time() - args.timeout
+    shadow = await shadow_totals(cluster, final.get("status", {}).get("canaryRevision"), time.time() - since + 10)
     png = plot(timeline, paths.out, thresholds_of(ro))
     sections.append(rollout_section(timeline, final, events, png, shadow))
     (paths.out / f"{timeline.name}-timeline.json").write_text(json.dumps(timeline.samples, indent=1))

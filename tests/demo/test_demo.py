@@ -165,8 +165,9 @@ def test_the_drift_example_acts_on_errors_and_divergence_alone():
 
 
 def test_an_act_may_hold_its_first_step_longer_than_the_pause_flag():
-    ro = demo_rollout(ROOT / "examples" / "rollout-drift-test.yaml", "llm", "8s", "2s", first_pause=50)
-    assert [s.get("pause") for s in ro["spec"]["steps"]] == ["50s", "8s", None]
+    assert ACTS[1].first_pause == 90
+    ro = demo_rollout(ROOT / "examples" / "rollout-drift-test.yaml", "llm", "8s", "2s", first_pause=ACTS[1].first_pause)
+    assert [s.get("pause") for s in ro["spec"]["steps"]] == ["1m30s", "8s", None]
     assert ro["spec"]["patch"]["config"] == {"fromTokens": 208}
     assert ro["spec"]["analysis"]["interval"] == "2s" and ro["metadata"]["namespace"] == "llm"
     ro = demo_rollout(ROOT / "examples" / "rollout-drift-test.yaml", "llm", "90s", "2s", first_pause=50)
