@@ -204,8 +204,8 @@ async def test_builtin_patch_is_promoted_step_by_step(fleet: Fleet, traffic: Cli
     compared, divergent = divergence_series(rec)
     assert compared and compared[-1] > 0, f"no shadow comparison reached the analysis: {compared[-5:]}"
     assert max(divergent) == 0, f"divergent comparisons in the analysis: {divergent}"
-    seen = await shadow_counts(fleet, revision, time.time() - started + 5)
-    assert seen[COMPARED] > 0 and seen[DIVERGENT] == 0, seen
+    shadow = await shadow_counts(fleet, revision, time.time() - started + 5)
+    assert shadow[COMPARED] > 0 and shadow[DIVERGENT] == 0, shadow
     assert (final.status["stableRevision"], final.status["canaryRevision"]) == (revision, revision)
     for i, w in enumerate(weights):
         want = canary_pods(n, w)         # 3 pods: 1, 1, 1, 2, 3
@@ -230,7 +230,7 @@ async def test_builtin_patch_is_promoted_step_by_step(fleet: Fleet, traffic: Cli
             assert f"{canary_pods(n, weights[step - 1])} of {n} pods" in e["message"], e["message"]
     assert_clients(traffic, started, final.t)
     print(f"promoted {final.t - started:.0f}s after the start; output-divergence saw {compared[-1]:.0f} compared, "
-          f"0 divergent; Prometheus {seen[COMPARED]:.1f} compared, {seen[DIVERGENT]:.0f} divergent")
+          f"0 divergent; Prometheus {shadow[COMPARED]:.1f} compared, {shadow[DIVERGENT]:.0f} divergent")
 
 
 async def test_faulty_patch_is_rolled_back_at_the_first_step(fleet: Fleet, traffic: ClientLoad):
