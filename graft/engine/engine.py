@@ -492,13 +492,14 @@ class LLMEngine:
                     self._wakeup.wait(0.05)
                     self._wakeup.clear()
                 continue
+            t0 = time.perf_counter()
             try:
                 self._step(batch)
             except Exception:  # a failed step must not kill the loop: fail its requests instead
                 log.exception("engine step failed; failing the requests of this step")
                 for seq in [*(s for s, _ in batch.prefills), *batch.decodes]:
                     self._fail(seq.seq_id, "internal error while running the model")
-            self.shadow.work(busy=True)
+            self.shadow.work(busy=True, step_seconds=time.perf_counter() - t0)
         self._drain_inbox()
         for seq_id in list(self._streams):
             seq = self.scheduler.finish(seq_id, FinishReason.ABORT)
@@ -546,7 +547,7 @@ class LLMEngine:
         except Exception:   # shadow work never fails a request: stop recording these instead
             log.exception("recording the shadow distributions of %d requests failed", len(recorded))
             for seq in recorded.values():
-                seq.shadow = None
+                self.shadow.finished(seq, ok=False)
 
     def _guarded_slots(self) -> tuple[SlotTable, GuardedSampler]:
         """The current slot table with its sampler guarded; rebuilt only when the table changes."""
@@ -608,9 +609,7 @@ class LLMEngine:
                 reason = FinishReason.ERROR
         self.runner.release(seq)
         if seq.shadow is not None:
-            if reason in (FinishReason.STOP, FinishReason.LENGTH):
-                self.shadow.finished(seq)
-            seq.shadow = None
+            self.shadow.finished(seq, ok=reason in (FinishReason.STOP, FinishReason.LENGTH))
         # counted before the client hears of it, so a scrape after an answer always includes it
         rev = self.revision
         status = "error" if reason is FinishReason.ERROR else "abandoned" if reason is FinishReason.ABORT else "ok"

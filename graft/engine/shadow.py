@@ -19,9 +19,12 @@ The work is bounded so that client requests do not pay for it:
 
 - it runs in the step loop between steps, in slices of at most `chunk` teacher-forced tokens;
 - a token bucket holds its share of wall time to `budget`; while requests are running a slice
-  runs at most every `busy_gap` seconds, so a client's next token waits for one slice at most;
-- `floor` comparisons a minute run even beyond the budget, so a lightly loaded canary still
-  produces evidence; a queue of `queue` finished requests waits for them, the oldest dropped first.
+  runs at most every `busy_gap` seconds and takes about as long as the step before it at most
+  (its size follows from the slices' measured speed), so a client's next token waits for one step's
+  time more at most, and only `budget` of the time;
+- while the engine is idle, `floor` comparisons a minute run even beyond the budget, so a lightly
+  loaded canary still produces evidence from time it would not use; a queue of `queue` finished
+  requests waits for them, the oldest dropped first.
 
 Nothing is compared on an engine that has nothing to compare against: after a revert, or after
 a start-up (the patches of `GRAFT_PATCHES` were never run the other way on this engine). A swap
@@ -47,6 +50,7 @@ from graft.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 AGREE, DIVERGENT, ERROR = "agree", "divergent", "error"
+MIN_SLICE = 32   # teacher-forced tokens a slice runs at least
 RESULTS = (AGREE, DIVERGENT, ERROR)
 
 
@@ -167,6 +171,9 @@ class ShadowComparator:
         self._last = clock()
         self._last_slice = -math.inf
         self._recent: deque[float] = deque()   # when comparisons finished, for the floor
+        self._speed: float | None = None       # teacher-forced tokens a second, as last measured
+        self._recording = 0                    # requests of this epoch being recorded
+        self._ran = 0
         self.last: Comparison | None = None
 
     # what there is to compare
@@ -179,6 +186,7 @@ class ShadowComparator:
         self.epoch += 1
         self._queue.clear()
         self._job = None
+        self._recording = 0
         added = set(new.patches) - set(old.patches) or any(
             getattr(new.patches[n], "patch", None) is not getattr(old.patches[n], "patch", None)
             for n in set(new.patches) & set(old.patches))
@@ -194,13 +202,20 @@ class ShadowComparator:
         self.previous = self.revision = None
         self._queue.clear()
         self._job = None
+        self._recording = 0
 
     # the requests
     def admit(self, seq: Sequence) -> None:
-        """Choose whether `seq` is recorded (at admission, under the current epoch)."""
+        """Choose whether `seq` is recorded (at admission, under the current epoch).
+
+        No more requests are recorded than the queue could take once they end: recording costs
+        every step a little, and a request the comparisons cannot reach would pay it for nothing.
+        """
         if self.active and seq.revision == self.revision and seq.num_prompt_tokens < self.capacity \
+                and self._recording + len(self._queue) < self.settings.queue \
                 and self.rng.random() < self.settings.rate:
             seq.shadow = Record(self.epoch)
+            self._recording += 1
 
     def record(self, rows: list[tuple[int, Sequence]], logits: torch.Tensor) -> None:
         """The live distribution of this step's token for each recorded row (row index into `logits`)."""
@@ -215,10 +230,15 @@ class ShadowComparator:
             seq.shadow.ids.append(top_ids[j])
             seq.shadow.logprobs.append(top_lp[j])
 
-    def finished(self, seq: Sequence) -> None:
-        """A request ended well: queue its comparison (the oldest waiting one gives way when full)."""
+    def finished(self, seq: Sequence, ok: bool = True) -> None:
+        """A recorded request ended: queue its comparison if it ended well (the oldest waiting one
+        gives way when the queue is full)."""
         rec, seq.shadow = seq.shadow, None
-        if rec is None or rec.epoch != self.epoch or not rec.ids:
+        if rec is None:
+            return
+        if rec.epoch == self.epoch:
+            self._recording = max(0, self._recording - 1)
+        if not ok or rec.epoch != self.epoch or not rec.ids:
             return
         out = seq.output_token_ids
         if len(rec.ids) != len(out):        # recomputed after a preemption: the positions doubled up
@@ -246,12 +266,15 @@ class ShadowComparator:
         self._last = now
         while self._recent and self._recent[0] < now - 60:
             self._recent.popleft()
-        if busy and now - self._last_slice < s.busy_gap:
-            return False
+        if busy:   # the budget alone: clients are waiting
+            return now - self._last_slice >= s.busy_gap and self._credit > 0
         return self._credit > 0 or len(self._recent) < s.floor
 
-    def work(self, busy: bool) -> bool:
-        """Run one slice of shadow work if there is some and it is due; True when a slice ran."""
+    def work(self, busy: bool, step_seconds: float | None = None) -> bool:
+        """Run one slice of shadow work if there is some and it is due; True when a slice ran.
+
+        `step_seconds`, while busy: how long the step just run took, which a slice stays within.
+        """
         if self._job is None and not self._queue:
             return False
         now = self.clock()
@@ -260,15 +283,20 @@ class ShadowComparator:
         if self._job is None:
             self._job = self._queue.popleft()
         job = self._job
+        limit = self.settings.chunk
+        if busy and step_seconds is not None and self._speed is not None:
+            limit = max(MIN_SLICE, min(limit, int(self._speed * step_seconds)))
         t0 = time.perf_counter()
         try:
-            done = self._slice(job)
+            done = self._slice(job, limit)
         except Exception:
             log.exception("shadow comparison of a %s request against %s failed", job.revision,
                           getattr(self.previous, "revision", None))
             self.metrics.shadow_requests.labels(job.revision, ERROR).inc()
             self._job, done = None, False
         spent = time.perf_counter() - t0
+        if self._ran and spent > 0:
+            self._speed = self._ran / spent
         self._credit -= spent
         self.metrics.shadow_seconds.inc(spent)
         self._last_slice = self.clock()
@@ -278,13 +306,15 @@ class ShadowComparator:
         return True
 
     @torch.inference_mode()
-    def _slice(self, job: _Job) -> bool:
-        """Teacher-force the next chunk of `job` through the previous table; compare when it is all run."""
+    def _slice(self, job: _Job, limit: int) -> bool:
+        """Teacher-force the next `limit` tokens of `job` through the previous table; compare when all are run."""
+        self._ran = 0
         if job.epoch != self.epoch or self.previous is None:
             return False
         seq, runner = job.seq, self.runner
         start = seq.num_computed_tokens
-        n = min(self.settings.chunk, len(seq) - start)
+        n = min(limit, len(seq) - start)
+        self._ran = n
         step = runner.prepare(ScheduledBatch(prefills=[(seq, n)], decodes=[], preempted=[]))
         lo = min(max(job.first, start), start + n)   # the compared positions in this chunk: lo .. start + n
         step.ctx.logits_indices = torch.arange(lo - start, n, device=runner.device)

@@ -117,6 +117,21 @@ def test_the_budget_and_the_floor_pace_the_work():
     clock.now += 61                                  # the comparisons leave the minute: the floor again
     shadow._credit = -100.0
     assert shadow._due(clock(), busy=False)
+    assert not shadow._due(clock(), busy=True)       # but only in idle time: busy, the budget alone
+
+
+def test_no_more_requests_are_recorded_than_the_queue_could_compare():
+    from graft.engine.sequence import Sequence
+    shadow = ShadowComparator(ShadowSettings(queue=2), _Runner(), list(range(8)), torch.float32, _Metrics())
+    shadow.previous, shadow.revision = object(), "p@1"
+    seqs = [Sequence(prompt_token_ids=[1, 2, 3]) for _ in range(4)]
+    for seq in seqs:
+        seq.revision = "p@1"
+        shadow.admit(seq)
+    assert [s.shadow is not None for s in seqs] == [True, True, False, False]
+    shadow.finished(seqs[0], ok=False)        # an error or a hang-up frees its place
+    shadow.admit(seqs[2])
+    assert seqs[2].shadow is not None and seqs[0].shadow is None
 
 
 def test_settings_out_of_range_are_refused():
