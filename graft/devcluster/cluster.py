@@ -70,9 +70,10 @@ def engine_deployment(opts: ClusterOptions) -> dict[str, Any]:
                              "--paths", "plain", "--dtype", "float32",
                              "--kv-cache-memory", opts.kv_cache_memory,
                              "--max-num-batched-tokens", str(opts.max_num_batched_tokens), "--grace", "5",
-                             # a comparison costs a float32 engine on one core seconds: a quarter of
-                             # its time lets a busy canary compare about 6 requests a minute
-                             "--shadow-budget", "0.25"],
+                             # a comparison of a BBH request costs a float32 engine on a shared core
+                             # a second or two once its few-shot prefix is in the shadow blocks: a
+                             # tenth of its time lets a busy canary compare a few requests a minute
+                             "--shadow-budget", "0.1"],
                     "ports": [{"name": "http", "containerPort": 8000}, {"name": "admin", "containerPort": 8081}],
                     "env": [
                         {"name": "GRAFT_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": TOKEN_SECRET, "key": "token"}}},

@@ -499,7 +499,8 @@ class LLMEngine:
                 log.exception("engine step failed; failing the requests of this step")
                 for seq in [*(s for s, _ in batch.prefills), *batch.decodes]:
                     self._fail(seq.seq_id, "internal error while running the model")
-            self.shadow.work(busy=True, step_seconds=time.perf_counter() - t0)
+            self.shadow.work(busy=True, step_seconds=time.perf_counter() - t0,
+                             backlog=self.scheduler.num_waiting > 0 or bool(batch.preempted))
         self._drain_inbox()
         for seq_id in list(self._streams):
             seq = self.scheduler.finish(seq_id, FinishReason.ABORT)

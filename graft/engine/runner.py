@@ -157,6 +157,32 @@ class ModelRunner:
     def release(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
 
+    @torch.inference_mode()
+    def probe_logits(self, token_ids: list[int], slots: SlotTable, scratch_blocks: list[int]) -> torch.Tensor:
+        """Logits of every position of `token_ids`, teacher-forced in `scratch_blocks`.
+
+        The tokens go through the paths a request takes: a first prefill chunk, a second chunk over
+        the cached first (`kv.gather`), and the last token as a decode step (`attention.decode`). A
+        tool for comparing one slot against another on a given text (the kernels' accuracy tests);
+        the self-check runs the richer `ProbePlan` below.
+        """
+        bs = self.config.block_size
+        n = len(token_ids)
+        if n < 3 or len(scratch_blocks) * bs < n:
+            raise ValueError(f"probe_logits needs 3 tokens or more and room for them, "
+                             f"got {n} tokens and {len(scratch_blocks)} blocks of {bs}")
+        seq = Sequence(prompt_token_ids=list(token_ids[:-1]))
+        seq.block_table = list(scratch_blocks)
+        logits = []
+        for chunk in ((n - 1) // 2, n - 1 - (n - 1) // 2):
+            step = self.prepare(ScheduledBatch(prefills=[(seq, chunk)], decodes=[], preempted=[]))
+            step.ctx.logits_indices = torch.arange(chunk, device=self.device)
+            logits.append(self.forward(step, slots))
+            seq.num_computed_tokens += chunk
+        seq.output_token_ids.append(token_ids[-1])
+        logits.append(self.forward(self.prepare(ScheduledBatch(prefills=[], decodes=[seq], preempted=[])), slots))
+        return torch.cat(logits).float()
+
 
 # ---- the patch self-check's probe ----
 #

@@ -22,9 +22,16 @@ The work is bounded so that client requests do not pay for it:
   runs at most every `busy_gap` seconds and takes about as long as the step before it at most
   (its size follows from the slices' measured speed), so a client's next token waits for one step's
   time more at most, and only `budget` of the time;
+- nothing runs while requests wait for admission or were just preempted: the engine is behind its
+  clients, and time taken from it then would grow the queue it is behind on;
 - while the engine is idle, `floor` comparisons a minute run even beyond the budget, so a lightly
   loaded canary still produces evidence from time it would not use; a queue of `queue` finished
-  requests waits for them, the oldest dropped first.
+  requests waits for them, the oldest dropped first;
+- the blocks kept aside work as a prefix cache of one sequence: a comparison whose input starts
+  with the full blocks the last one left there (a shared system prompt or few-shot prefix, as
+  computed by the same previous table) runs from the first block that differs, and the next job
+  taken from the queue is the one sharing the most with them, so the comparisons of requests with
+  a common prefix cost their own tokens, as the requests did.
 
 Nothing is compared on an engine that has nothing to compare against: after a revert, or after
 a start-up (the patches of `GRAFT_PATCHES` were never run the other way on this engine). A swap
@@ -174,6 +181,8 @@ class ShadowComparator:
         self._speed: float | None = None       # teacher-forced tokens a second, as last measured
         self._recording = 0                    # requests of this epoch being recorded
         self._ran = 0
+        self._cached: list[int] = []           # token ids whose KV the shadow blocks hold, full blocks only
+        self.reused = 0                        # teacher-forced tokens the shadow prefix cache saved
         self.last: Comparison | None = None
 
     # what there is to compare
@@ -187,6 +196,7 @@ class ShadowComparator:
         self._queue.clear()
         self._job = None
         self._recording = 0
+        self._cached = []
         added = set(new.patches) - set(old.patches) or any(
             getattr(new.patches[n], "patch", None) is not getattr(old.patches[n], "patch", None)
             for n in set(new.patches) & set(old.patches))
@@ -203,6 +213,7 @@ class ShadowComparator:
         self._queue.clear()
         self._job = None
         self._recording = 0
+        self._cached = []
 
     # the requests
     def admit(self, seq: Sequence) -> None:
@@ -270,18 +281,21 @@ class ShadowComparator:
             return now - self._last_slice >= s.busy_gap and self._credit > 0
         return self._credit > 0 or len(self._recent) < s.floor
 
-    def work(self, busy: bool, step_seconds: float | None = None) -> bool:
+    def work(self, busy: bool, step_seconds: float | None = None, backlog: bool = False) -> bool:
         """Run one slice of shadow work if there is some and it is due; True when a slice ran.
 
         `step_seconds`, while busy: how long the step just run took, which a slice stays within.
+        `backlog`: requests wait for admission or were preempted, so the engine is not keeping up
+        with its clients; nothing runs then (shadow work taking a saturated engine's time would
+        lengthen the queue it is behind on, which the comparisons would then wait on too).
         """
-        if self._job is None and not self._queue:
+        if self._job is None and not self._queue or busy and backlog:
             return False
         now = self.clock()
         if not self._due(now, busy):
             return False
         if self._job is None:
-            self._job = self._queue.popleft()
+            self._job = self._take()
         job = self._job
         limit = self.settings.chunk
         if busy and step_seconds is not None and self._speed is not None:
@@ -305,6 +319,27 @@ class ShadowComparator:
             self._recent.append(self._last_slice)
         return True
 
+    def _shared(self, job: _Job) -> int:
+        """Tokens at the start of `job`'s input whose KV the shadow blocks already hold: whole
+        blocks, and never past the first compared position (its logits must be computed)."""
+        tokens, cached = job.seq.prompt_token_ids, self._cached
+        n = 0
+        limit = min(len(cached), job.first)
+        while n < limit and tokens[n] == cached[n]:
+            n += 1
+        bs = self.runner.config.block_size
+        return n // bs * bs
+
+    def _take(self) -> _Job:
+        """The next job: the queued one sharing the most with the shadow blocks, the oldest first on ties."""
+        best = max(range(len(self._queue)), key=lambda i: (self._shared(self._queue[i]), -i))
+        job = self._queue[best]
+        del self._queue[best]
+        shared = self._shared(job)
+        job.seq.num_computed_tokens = shared
+        self.reused += shared
+        return job
+
     @torch.inference_mode()
     def _slice(self, job: _Job, limit: int) -> bool:
         """Teacher-force the next `limit` tokens of `job` through the previous table; compare when all are run."""
@@ -315,6 +350,9 @@ class ShadowComparator:
         start = seq.num_computed_tokens
         n = min(limit, len(seq) - start)
         self._ran = n
+        bs = runner.config.block_size
+        # what the blocks hold for certain while this slice writes from `start` on (and after it fails)
+        self._cached = seq.prompt_token_ids[:start // bs * bs]
         step = runner.prepare(ScheduledBatch(prefills=[(seq, n)], decodes=[], preempted=[]))
         lo = min(max(job.first, start), start + n)   # the compared positions in this chunk: lo .. start + n
         step.ctx.logits_indices = torch.arange(lo - start, n, device=runner.device)
@@ -322,6 +360,7 @@ class ShadowComparator:
         if lo < start + n:
             job.logits.append(logits)
         seq.num_computed_tokens += n
+        self._cached = seq.prompt_token_ids[:seq.num_computed_tokens // bs * bs]
         if seq.num_computed_tokens < len(seq):
             return False
         logits = torch.cat(job.logits)
@@ -339,6 +378,7 @@ class ShadowComparator:
         return {"active": self.active, "revision": self.revision,
                 "against": previous.revision if previous is not None else None,
                 "queued": len(self._queue) + (self._job is not None), "capacityTokens": self.capacity,
+                "reusedTokens": self.reused,
                 "limits": {"meanKl": self.limits.kl, "agreement": self.limits.agreement},
                 "last": None if last is None else {"positions": last.positions, "meanKl": last.mean_kl,
                                                    "maxKl": last.max_kl, "agreement": last.agreement,

@@ -31,7 +31,7 @@ class AdminError(Exception):
 
 
 class AdminClient:
-    def __init__(self, token: str | None = None, *, scheme: str = "http", timeout: float = 10.0,
+    def __init__(self, token: str | None = None, *, scheme: str = "http", timeout: float = 60.0,
                  concurrency: int = 16, retries: int = 2, backoff: float = 0.2,
                  ca_file: str | None = None, tls_server_name: str | None = None,
                  transport: httpx.AsyncBaseTransport | None = None):

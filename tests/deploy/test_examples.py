@@ -124,8 +124,8 @@ def test_example_rollouts_name_patches_the_engine_provides():
             continue
         ref = f'{patch["name"]}@{patch["version"]}'
         assert ref in available, f"{path.name}: the engine has no built-in patch {ref}"
-        # test-only patches belong to the fire drill alone
-        assert available[ref].test_only == (path.name == "rollout-fault-test.yaml"), path.name
+        # test-only patches belong to the drills alone (the fault drill, the silent-drift drill)
+        assert available[ref].test_only == path.name.endswith("-test.yaml"), path.name
 
 
 def test_bundle_example_is_pinned_to_its_source_and_loads():

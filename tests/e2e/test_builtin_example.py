@@ -125,7 +125,9 @@ def test_readme_quick_start_is_what_this_test_runs():
     for command in (DEV_CLUSTER, APPLY, WAIT, GET):
         assert f"\n{command}\n" in readme, f"README.md no longer says `{command}`"
     steps = yaml.safe_load((ROOT / EXAMPLE).read_text())["spec"]["steps"]
-    assert [s.get("pause") for s in steps] == ["30s"] * 4 + [None], "the README and the example's comment say 30s"
+    assert [s.get("pause") for s in steps] == ["60s"] + ["30s"] * 3 + [None], \
+        "the README and the example's comment say 60s, then 30s"
+    assert "30 s pauses (60 s at the first step" in readme
 
 
 def test_dev_cluster_promotes_the_example(tmp_path: Path):

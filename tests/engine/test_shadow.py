@@ -134,6 +134,33 @@ def test_no_more_requests_are_recorded_than_the_queue_could_compare():
     assert seqs[2].shadow is not None and seqs[0].shadow is None
 
 
+def test_the_next_comparison_is_the_one_sharing_the_most_whole_blocks_with_the_shadow_blocks():
+    """The shadow blocks as a prefix cache of one sequence: the queued job sharing the most whole
+    blocks goes first (the oldest on ties), it starts after them, and never past its first compared
+    position."""
+    from graft.engine.sequence import Sequence
+    from graft.engine.shadow import _Job
+    shadow = ShadowComparator(ShadowSettings(), _Runner(), list(range(8)), torch.float32, _Metrics())
+    system = list(range(1000, 1150))                   # a 150-token shared prefix: two whole blocks
+
+    def job(tokens, compared=4):
+        seq = Sequence(prompt_token_ids=tokens)
+        return _Job("p@1", shadow.epoch, seq, len(tokens) - compared, torch.zeros(compared, 1), torch.zeros(compared, 1))
+    other = job(list(range(5, 300)))
+    same = job(system + [7] * 40)
+    longer = job(system + [7] * 40 + [8] * 100)
+    shadow._queue.extend([other, same, longer])
+    shadow._cached = system[:128]
+    assert shadow._shared(other) == 0 and shadow._shared(same) == shadow._shared(longer) == 128
+    assert shadow._take() is same and same.seq.num_computed_tokens == 128 and shadow.reused == 128
+    shadow._cached = system[:100] + [0] * 92           # differs inside the second block: one block shared
+    assert shadow._shared(longer) == 64
+    short = job(system[:70], compared=20)              # compared from position 50: nothing reused
+    assert shadow._shared(short) == 0
+    shadow._cached = []
+    assert shadow._take() is other and other.seq.num_computed_tokens == 0   # the oldest on ties
+
+
 def test_settings_out_of_range_are_refused():
     for bad in ({"rate": 1.5}, {"budget": -0.1}, {"floor": 1000}, {"chunk": 0}):
         with pytest.raises(ValueError):
@@ -249,6 +276,33 @@ def test_a_patch_wrong_past_a_context_length_is_divergent_on_long_requests_only(
         assert _settle(engine, loop, rev, 2) == {"agree": 1, "divergent": 1, "error": 0}
     finally:
         _revert(manager, loop, "drift")
+
+
+@pytest.mark.parametrize("patch, config, result", [("kv-align@3.2.2-test", None, "agree"),
+                                                   ("drift@1", {"fromTokens": 400}, "divergent")])
+def test_a_comparison_after_one_with_the_same_prefix_starts_after_it_and_judges_the_same(
+        served, prompts, patch, config, result):
+    """Two long requests with the same 3-shot prefix: the second's comparison reuses the prefix's
+    blocks the first left in the shadow blocks (nine whole blocks) and comes to the same verdict as
+    the first, for a neutral patch and for one wrong past 400 tokens."""
+    engine, manager, loop = served
+    long, _ = prompts
+    other = long[:600] + engine.tokenizer.encode(" Q: Today is the last day of 1999. What is the date tomorrow?")
+    _apply(manager, loop, patch, config)
+    try:
+        rev = engine.revision
+        before = _counts(engine, rev)
+        _generate(engine, loop, [long])
+        assert _settle(engine, loop, rev, 1, before)[result] == 1
+        reused = engine.shadow.reused
+        _generate(engine, loop, [other])
+        counts = _settle(engine, loop, rev, 2, before)
+        assert counts[result] == 2, counts
+        assert engine.shadow.reused - reused == 9 * 64
+        if result == "agree":
+            assert engine.shadow.last.mean_kl < 1e-4 and engine.shadow.last.agreement == 1.0
+    finally:
+        _revert(manager, loop, patch.split("@")[0])
 
 
 def test_a_failing_comparison_is_counted_and_never_fails_a_request(served, prompts):
