@@ -293,7 +293,7 @@ def main(args: argparse.Namespace) -> int:
     async def run() -> None:
         async with DevCluster(opts) as cluster, contextlib.AsyncExitStack() as stack:
             await cluster.wait_ready()
-            traffic = await stack.enter_async_context(cluster.traffic(prompts, rate=rate, max_tokens=16)) \
+            traffic = await stack.enter_async_context(cluster.traffic(prompts, rate=rate)) \
                 if rate > 0 else None
             kc = cluster.kubeconfig.resolve()
             print(f"dev cluster up: {opts.pods} engine pods in namespace {opts.namespace}\n"

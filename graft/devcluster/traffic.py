@@ -107,7 +107,11 @@ class Traffic:
     """Send `rate` requests per second until stopped; every outcome is kept in `stats`."""
 
     def __init__(self, router: Router, prompts: list[str], *, rate: float = 3.0, max_tokens: int = 8,
-                 model: str = "SmolLM2-135M-Instruct", port: int = 8000, timeout: float = 60.0):
+                 model: str = "SmolLM2-135M-Instruct", port: int = 8000, timeout: float = 120.0):
+        # 120 s: the dev cluster's float32 CPU engines, sharing two cores, queue a request for tens of
+        # seconds while a busy machine slows them (an apply's self-check takes a canary 10-20 s
+        # there); a client that hangs up sooner counts as `abandoned`, which the error-rate-delta
+        # gate counts against the canary
         self.router, self.prompts, self.rate = router, prompts, rate
         self.max_tokens, self.model, self.port, self.timeout = max_tokens, model, port, timeout
         self.stats = TrafficStats()

@@ -45,6 +45,9 @@ class EngineConfig:
     shadow_budget: float = 0.03
     shadow_floor: float = 6.0
     shadow_max_tokens: int = 2048
+    # seconds the step loop may go without coming round before /health and /ready say it is stuck
+    # (a hanging patch slot, a wedged kernel): the kubelet's liveness probe then restarts the pod
+    stall_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 64:
@@ -63,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"shadow_floor must be within [0, 600] a minute, got {self.shadow_floor}")
         if self.shadow_max_tokens < 0:
             raise ValueError(f"shadow_max_tokens must be 0 (off) or more, got {self.shadow_max_tokens}")
+        if not 1 <= self.stall_timeout <= 3600:
+            raise ValueError(f"stall_timeout must be within [1, 3600] seconds, got {self.stall_timeout}")
         if self.paths not in PATHS_CHOICES:
             raise ValueError(f"paths must be one of {', '.join(PATHS_CHOICES)}, got {self.paths}")
         if self.dtype == "auto":
@@ -188,6 +193,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=_default("threads"),
                    help="torch threads for the model (default 0: one per core); the HTTP server, tokenizer "
                         "and step loop run beside them")
+    g.add_argument("--stall-timeout", type=float, default=_default("stall_timeout"),
+                   help="seconds the step loop may go without coming round before /health and /ready fail")
     s = p.add_argument_group("shadow comparison (after an apply, answers compared with the previous table)")
     s.add_argument("--shadow-rate", type=_fraction, default=os.environ.get("GRAFT_SHADOW_RATE") or _default("shadow_rate"),
                    help="share of requests recorded for comparison, 0 turns shadowing off (env GRAFT_SHADOW_RATE, "
@@ -208,7 +215,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
                         enable_prefix_caching=not args.no_prefix_caching, threads=args.threads,
                         shadow_rate=_fraction(args.shadow_rate), shadow_budget=args.shadow_budget,
-                        shadow_floor=args.shadow_floor, shadow_max_tokens=args.shadow_max_tokens)
+                        shadow_floor=args.shadow_floor, shadow_max_tokens=args.shadow_max_tokens,
+                        stall_timeout=args.stall_timeout)
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

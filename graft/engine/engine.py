@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from graft.api import has_patch
 from graft.engine import openmp
 from graft.engine.attention import default_slots
 from graft.engine.block_manager import BlockManager
@@ -41,7 +42,7 @@ from graft.engine.runner import (DTYPES, ModelRunner, ProbePlan, ProbeRun, build
                                  resolve_device)
 from graft.engine.sampler import sample_per_row
 from graft.engine.scheduler import QueueFull, Scheduler, default_policy
-from graft.engine.sequence import FinishReason, InvalidParam, SamplingParams, Sequence, TokenLogprobs
+from graft.engine.sequence import FinishReason, InvalidParam, SamplingParams, Sequence, SequenceStatus, TokenLogprobs
 from graft.engine.shadow import ShadowComparator, ShadowSettings
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ PROBE_BLOCKS = builtin_probe_blocks(64)  # KV blocks kept aside for the self-che
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model all but rules out
 SHUTDOWN = "server_shutting_down"   # the error code of a request cut at the end of the grace period
 INTERNAL = "internal_error"
+MAX_OUTCOME_DELAY = 60.0    # seconds: the longest hold a `request.outcome` may ask for
 
 
 def no_outcome(seq: Sequence) -> tuple[float, bool]:
@@ -124,15 +126,19 @@ class GuardedSampler:
     filtering, as OpenAI reports them). After a call, `failures` and `logprobs` are keyed by row.
     """
 
-    def __init__(self, sampler: Callable[..., list[int]], vocab_size: int):
+    def __init__(self, sampler: Callable[..., list[int]], vocab_size: int,
+                 fallback: Callable[..., list[int]] | None = None):
         self.sampler = sampler
         self.vocab_size = vocab_size
+        # a patched sampler's stand-in (the base table's): what a batch it fails is sampled with
+        self.fallback = fallback
         self.failures: dict[int, str] = {}
         self.logprobs: dict[int, TokenLogprobs] = {}
         self.logits: torch.Tensor | None = None   # the last call's, for the shadow comparison
+        self.raised: BaseException | None = None  # how a patched sampler misbehaved in the last call
 
     def reset(self) -> None:
-        self.failures, self.logprobs, self.logits = {}, {}, None
+        self.failures, self.logprobs, self.logits, self.raised = {}, {}, None, None
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
@@ -143,16 +149,36 @@ class GuardedSampler:
             tokens = list(self.sampler(logits, params, generators))
             if len(tokens) != len(params):
                 raise RuntimeError(f"the sampler returned {len(tokens)} tokens for {len(params)} rows")
-        except Exception:
-            log.exception("sampling a batch of %d rows failed; sampling each row on its own", len(params))
+            if self.fallback is not None and not all(self._valid(t) for t in tokens):
+                raise RuntimeError(f"the sampler returned {next(t for t in tokens if not self._valid(t))!r}, "
+                                   "not a token id")
+        except Exception as exc:
             for gen, state in zip(generators, states):
                 if gen is not None:
                     gen.set_state(state)
+            if self.fallback is not None:   # a patch's sampler: the base one samples the batch instead
+                log.error("the patched sampler failed a batch of %d rows (%s); sampling it with the "
+                          "base sampler", len(params), exc)
+                sampler, fallback = self.sampler, self.fallback
+                self.sampler, self.fallback = fallback, None
+                try:
+                    tokens = self(logits, params, generators)
+                finally:
+                    self.sampler, self.fallback = sampler, fallback
+                self.raised = exc
+                return tokens
+            log.exception("sampling a batch of %d rows failed; sampling each row on its own", len(params))
             tokens = [self._one(logits, i, params[i], generators[i]) for i in range(len(params))]
         for i, token in enumerate(tokens):
             tokens[i] = self._token_id(i, token)
         self._add_logprobs(logits, tokens, params)
         return tokens
+
+    def _valid(self, token: object) -> bool:
+        try:
+            return 0 <= operator.index(token) < self.vocab_size
+        except TypeError:
+            return False
 
     def _one(self, logits: torch.Tensor, row: int, params: SamplingParams,
              generator: torch.Generator | None) -> int:
@@ -301,6 +327,13 @@ class LLMEngine:
         self._running = False
         self.draining = False
         self.steps = 0
+        self.heartbeat = time.monotonic()   # when the step loop last came round
+        # start-up patches (GRAFT_PATCHES) from bundles, which only the operator can apply again:
+        # the engine is not ready until every one of them is applied
+        self.awaiting: tuple[str, ...] = ()
+        # set by the patch manager: called in the step loop when a patch's slot misbehaves on live
+        # traffic (the slot's name, what it did); True when it took the patch out
+        self.on_slot_fault: Callable[[str, BaseException], bool] | None = None
         # the model runs on the step loop's OpenMP team: end the one that loading it started on
         # this thread (graft.engine.openmp says why)
         openmp.release_threads()
@@ -320,8 +353,38 @@ class LLMEngine:
 
     @property
     def is_running(self) -> bool:
-        """Whether the step loop thread is alive (what /health reports)."""
+        """Whether the step loop thread is alive."""
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stalled_for(self) -> float:
+        """Seconds since the step loop last came round, when more than `stall_timeout`; else 0."""
+        idle = time.monotonic() - self.heartbeat
+        return idle if self._running and idle > self.config.stall_timeout else 0.0
+
+    def not_ready(self) -> str | None:
+        """Why the engine should get no traffic (what /ready answers 503 with), or None: draining,
+        unhealthy, or start-up patches from a bundle not applied again yet."""
+        if self.draining:
+            return "draining"
+        why = self.health()
+        if why is not None:
+            return why
+        missing = [ref for ref in self.awaiting if not has_patch(self.revision, ref)]
+        if missing:
+            return (f"waiting for {', '.join(missing)} (in GRAFT_PATCHES, from a bundle) to be applied again "
+                    "through the admin API")
+        return None
+
+    def health(self) -> str | None:
+        """Why the engine cannot serve (what /health and /ready answer 503 with), or None."""
+        if not self.is_running:
+            return "the step loop is not running"
+        stalled = self.stalled_for
+        if stalled:
+            return (f"the step loop has not come round for {stalled:.0f}s (more than {self.config.stall_timeout:g}s): "
+                    "a step or a patch slot is stuck")
+        return None
 
     @property
     def num_active(self) -> int:
@@ -484,8 +547,12 @@ class LLMEngine:
 
     def _loop(self) -> None:
         while self._running:
+            self.heartbeat = time.monotonic()
             self._drain_inbox()
             batch = self.scheduler.schedule(self.slots["scheduler.policy"], time.monotonic())
+            if self.scheduler.policy_error is not None:   # this step was admitted in arrival order
+                error, self.scheduler.policy_error = self.scheduler.policy_error, None
+                self._slot_fault("scheduler.policy", error)
             if batch is None:
                 self._update_gauges()
                 if not self.shadow.work(busy=False):   # idle time goes to shadow work first
@@ -495,10 +562,8 @@ class LLMEngine:
             t0 = time.perf_counter()
             try:
                 self._step(batch)
-            except Exception:  # a failed step must not kill the loop: fail its requests instead
-                log.exception("engine step failed; failing the requests of this step")
-                for seq in [*(s for s, _ in batch.prefills), *batch.decodes]:
-                    self._fail(seq.seq_id, "internal error while running the model")
+            except Exception as exc:  # a failed step must not kill the loop
+                self._step_failed(batch, exc)
             self.shadow.work(busy=True, step_seconds=time.perf_counter() - t0,
                              backlog=self.scheduler.num_waiting > 0 or bool(batch.preempted))
         self._drain_inbox()
@@ -506,6 +571,59 @@ class LLMEngine:
             seq = self.scheduler.finish(seq_id, FinishReason.ABORT)
             if seq is not None:
                 self._retire(seq)
+
+    def _step_failed(self, batch, exc: Exception) -> None:
+        """A step raised. When a patch's slot raised it, the patch is taken out and the step run
+        again on the table before it (requests a revert preempted wait to be recomputed instead);
+        otherwise, or if it fails again, its requests fail."""
+        seqs = [*(s for s, _ in batch.prefills), *batch.decodes]
+        slot = self._raising_slot(exc)
+        if slot is not None and self._slot_fault(slot, exc):
+            again = [s for s in seqs if s.status is SequenceStatus.RUNNING]
+            if len(again) < len(seqs):
+                return           # the revert preempted them: recomputed under the new table
+            try:
+                self._step(batch)
+                return
+            except Exception as again_exc:
+                exc = again_exc
+        log.error("engine step failed; failing the requests of this step", exc_info=exc)
+        for seq in seqs:
+            self._fail(seq.seq_id, "internal error while running the model")
+
+    def _patched_slots(self) -> dict[str, Any]:
+        """The slots of the current table that a patch provides (not the base table's)."""
+        table, base = self.slots, self.base_slots
+        return {name: table[name] for name in table if table[name] is not base[name]}
+
+    def _raising_slot(self, exc: BaseException) -> str | None:
+        """The patch slot in whose code `exc` was raised (innermost first), if one was."""
+        codes: dict[Any, str] = {}
+        for name, fn in self._patched_slots().items():
+            code = getattr(fn, "__code__", None) or getattr(getattr(type(fn), "__call__", None), "__code__", None)
+            if code is not None:
+                codes[code] = name
+        found, tb = None, exc.__traceback__
+        while tb is not None:
+            found = codes.get(tb.tb_frame.f_code, found)
+            tb = tb.tb_next
+        return found
+
+    def _slot_fault(self, slot: str, error: BaseException) -> bool:
+        """A slot misbehaved on live traffic: counted, logged, and handed to `on_slot_fault` (which
+        takes the patch that provides it out) when a patch provides it. True when it was taken out."""
+        if slot not in self._patched_slots():
+            log.error("the base table's %s failed: %s", slot, error)
+            return False
+        self.metrics.slot_faults.labels(slot).inc()
+        log.error("patch slot %s failed on live traffic under %s: %s", slot, self.revision, error)
+        if self.on_slot_fault is None:
+            return False
+        try:
+            return bool(self.on_slot_fault(slot, error))
+        except Exception:
+            log.exception("taking out the patch behind the failing slot %s failed", slot)
+            return False
 
     def _step(self, batch) -> None:
         now = time.monotonic()
@@ -519,6 +637,8 @@ class LLMEngine:
         guard.reset()
         tokens = self.runner.run(batch, slots)  # raises only when the step as a whole failed
         self.steps += 1
+        if guard.raised is not None:   # the base sampler stood in for the patched one
+            self._slot_fault("sampler", guard.raised)
         rows = list(tokens)  # seq ids in the order of the sampler's rows
         for row, message in guard.failures.items():
             self._fail(rows[row], message)
@@ -553,7 +673,11 @@ class LLMEngine:
     def _guarded_slots(self) -> tuple[SlotTable, GuardedSampler]:
         """The current slot table with its sampler guarded; rebuilt only when the table changes."""
         if self._guard is None or self._guard[0] is not self.slots:
-            guard = GuardedSampler(self.slots["sampler"], self.model_config.vocab_size)
+            # a patch's sampler that fails a batch hands it to the base one, when there is a patch
+            # manager to take that patch out (without one, the failing rows fail alone)
+            sampler, base = self.slots["sampler"], self.base_slots["sampler"]
+            fallback = base if sampler is not base and self.on_slot_fault is not None else None
+            guard = GuardedSampler(sampler, self.model_config.vocab_size, fallback)
             self._guard = (self.slots, self.slots.with_slots({"sampler": guard}), guard)
         return self._guard[1], self._guard[2]
 
@@ -593,13 +717,21 @@ class LLMEngine:
             stream.put(TokenEvent(last, reason, error, code, logprobs), delay)
 
     def _outcome(self, seq: Sequence) -> tuple[float, str | None]:
-        """The `request.outcome` slot's verdict: (delay, error or None); a slot that raises fails only this request."""
+        """The `request.outcome` slot's verdict: (delay, error or None). A patched slot that raises or
+        answers anything but a delay within [0, MAX_OUTCOME_DELAY] seconds and a flag is a slot fault
+        (its patch is taken out) and this request finishes as the base table would finish it."""
         try:
             delay, failed = self.slots["request.outcome"](seq)
-        except Exception:
-            log.exception("request.outcome failed for request %d", seq.seq_id)
+            if isinstance(delay, bool) or not 0 <= float(delay) <= MAX_OUTCOME_DELAY \
+                    or not isinstance(failed, (bool, int)):   # NaN fails the comparison too
+                raise ValueError(f"request.outcome answered ({delay!r}, {failed!r}), not a delay within "
+                                 f"[0, {MAX_OUTCOME_DELAY:g}] seconds and a flag")
+        except Exception as exc:
+            if self._slot_fault("request.outcome", exc):
+                return 0.0, None          # as the base table's `no_outcome` finishes it
+            log.error("request.outcome failed for request %d: %s", seq.seq_id, exc)
             return 0.0, "internal error while finishing the request"
-        return delay, "injected fault" if failed else None
+        return float(delay), "injected fault" if failed else None
 
     def _retire(self, seq: Sequence, error: str | None = None, code: str | None = None) -> None:
         reason = seq.finish_reason or FinishReason.ABORT

@@ -133,6 +133,8 @@ class EngineMetrics:
                                       ["reason"], registry=r)
         self.shadow_seconds = Counter("graft_shadow_seconds", "Step-loop time spent on shadow comparison.",
                                       registry=r)
+        self.slot_faults = Counter("graft_slot_faults", "Patch slots that failed on live traffic (their patch "
+                                   "was taken out).", ["slot"], registry=r)
         self.cpu_quota = Gauge("graft_cpu_quota_cores", "CPU cores this process may use (its cgroup quota).",
                                registry=r)
         self.cpu_quota.set_function(cpu_quota_cores)

@@ -108,6 +108,7 @@ class Scheduler:
         # the KV cache caps a lone sequence: beyond it nothing could be preempted to make room
         self.max_seq_len = min(config.max_model_len, block_manager.num_blocks * block_manager.block_size)
         self.waiting: deque[Sequence] = deque()
+        self.policy_error: BaseException | None = None   # what the last failing `scheduler.policy` raised
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._live: dict[int, Sequence] = {}
@@ -182,7 +183,12 @@ class Scheduler:
             waiting = list(self.waiting)
             for seq in waiting:
                 seq.tenant_turn = self._tenant_turns.get(seq.tenant, 0)
-            self._admit(policy(waiting, now), batch)
+            try:
+                order = list(policy(waiting, now))
+            except Exception as exc:   # a patched policy: the step goes on in arrival order
+                self.policy_error = exc
+                order = default_policy(waiting, now)
+            self._admit(order, batch)
         return batch if batch.num_seqs else None
 
     def _reserve(self, seq: Sequence, want: int, batch: ScheduledBatch) -> int:
@@ -214,7 +220,7 @@ class Scheduler:
         seen: set[int] = set()
         for seq in order:
             # the policy is patchable: ignore anything it returns that is not waiting here
-            if seq.seq_id in seen or self._live.get(seq.seq_id) is not seq:
+            if not isinstance(seq, Sequence) or seq.seq_id in seen or self._live.get(seq.seq_id) is not seq:
                 continue
             if seq.status is not SequenceStatus.WAITING:
                 continue

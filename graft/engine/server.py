@@ -434,14 +434,22 @@ def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
 
     @app.get("/health", responses={503: ERROR_RESPONSES[503]})
     async def health() -> dict:
-        if not engine.is_running:
-            raise ApiError(503, "the step loop is not running", "server_error")
+        why = engine.health()
+        if why is not None:
+            raise ApiError(503, why, "server_error")
         return {"status": "ok", "revision": engine.revision}
 
     @app.get("/ready")
     async def ready() -> Response:
         if engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        why = engine.health()
+        if why is not None:
+            return JSONResponse({"status": "unhealthy", "reason": why}, status_code=503)
+        why = engine.not_ready()
+        if why is not None:
+            return JSONResponse({"status": "awaiting-patches", "reason": why, "revision": engine.revision,
+                                 "awaiting": list(engine.awaiting)}, status_code=503)
         return JSONResponse({"status": "ready", "revision": engine.revision})
 
     @app.get("/metrics")

@@ -16,7 +16,8 @@ from typing import Any
 
 import httpx
 
-from graft.rollout.observation import UNREACHABLE, VERIFY_FAILED
+from graft.api import parse_revision
+from graft.rollout.observation import BAD_ANSWER, UNREACHABLE, VERIFY_FAILED
 
 _KINDS = {400: "malformed", 401: "unauthorized", 403: "unauthorized", 404: "unknown-patch",
           409: "conflict", 422: VERIFY_FAILED}
@@ -48,7 +49,7 @@ class AdminClient:
 
     async def revision(self, host: str, port: int) -> str:
         """The engine's current revision (GET /admin/patches)."""
-        return (await self._call("GET", host, port, "/admin/patches"))["revision"]
+        return _revision(await self._call("GET", host, port, "/admin/patches"), "GET /admin/patches")
 
     async def apply(self, host: str, port: int, name: str, version: str, source: dict[str, Any],
                     config: dict[str, Any] | None = None, replace: bool = False) -> str:
@@ -62,12 +63,13 @@ class AdminClient:
             body["config"] = config
         if replace:
             body["replace"] = True
-        return (await self._call("POST", host, port, "/admin/patches", json=body))["revision"]
+        return _revision(await self._call("POST", host, port, "/admin/patches", json=body), "POST /admin/patches")
 
     async def revert(self, host: str, port: int, name: str) -> str:
         """Revert a patch (DELETE /admin/patches/{name}); one that is not applied counts as reverted."""
         try:
-            return (await self._call("DELETE", host, port, f"/admin/patches/{name}"))["revision"]
+            return _revision(await self._call("DELETE", host, port, f"/admin/patches/{name}"),
+                             f"DELETE /admin/patches/{name}")
         except AdminError as e:
             if e.status == 404:
                 return await self.revision(host, port)
@@ -98,6 +100,22 @@ class AdminClient:
             except ValueError:
                 raise AdminError("malformed", f"{method} {path}: the answer is not JSON") from None
         raise AdminError(UNREACHABLE, f"admin API at {_host(host)}:{port} unreachable: {why}")
+
+
+def _revision(answer: Any, call: str) -> str:
+    """The `revision` of an engine's answer, checked at the edge: an answer of another shape (not an
+    object, no revision, not a string, not a list of valid `name@version`) is an AdminError
+    (BAD_ANSWER, tried again next tick) naming what came back, never a KeyError in a reconciliation."""
+    revision = answer.get("revision") if isinstance(answer, dict) else None
+    if not isinstance(revision, str):
+        got = f"an object without a string revision ({revision!r:.80})" if isinstance(answer, dict) \
+            else f"a JSON {type(answer).__name__}"
+        raise AdminError(BAD_ANSWER, f"{call}: the engine answered {got}, not its revision")
+    try:
+        parse_revision(revision)
+    except ValueError as e:
+        raise AdminError(BAD_ANSWER, f"{call}: the engine answered the revision {revision!r:.120}: {e}") from None
+    return revision
 
 
 def _host(host: str) -> str:

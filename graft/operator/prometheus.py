@@ -5,8 +5,9 @@ behind auth (a bearer token from a Secret, extra headers) and TLS, which is veri
 system's CAs, or a CA bundle from a Secret).
 
 A query that cannot be answered (Prometheus unreachable, refused, a bad query, a timeout, several
-series where one number is needed) makes its check's Measurement carry `error`: the check's verdict
-is Error, which holds the rollout (and counts towards `errorLimit`); it never promotes it.
+series where one number is needed, an infinite value) makes its check's Measurement carry `error`:
+the check's verdict is Error, which holds the rollout (and counts towards `errorLimit`); it never
+promotes it. NaN (0/0: a ratio over no requests) reads as no data, like an empty vector.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ TRANSPORT = "transport"   # unreachable, or no answer within the timeout
 HTTP = "http"             # an answer, but not the API's: refused credentials, no JSON
 QUERY = "query"           # Prometheus refused the query (bad PromQL, its own timeout)
 PARSE = "parse"           # an answer that is not one number (several series, a matrix, a malformed body)
+NON_FINITE = "non-finite"  # +Inf or -Inf: NaN counts as no data
 
 
 class ProviderError(Exception):
@@ -106,4 +108,9 @@ def _number(data: dict) -> float | None:
         value = float(raw)
     except (TypeError, ValueError):
         raise ProviderError(PARSE, f"the query returned {raw!r}, not a number") from None
-    return None if math.isnan(value) else value
+    if math.isnan(value):      # 0/0, a ratio over no requests: no data, as an empty vector
+        return None
+    if math.isinf(value):      # x/0 and the like: a number no check can judge, and one JSON cannot hold
+        raise ProviderError(NON_FINITE, f"the query returned {raw!r}, not a finite number "
+                                        "(a ratio over an empty denominator?)")
+    return value

@@ -54,7 +54,19 @@ async def reconcile(runtime: Runtime, body: dict[str, Any], now: float, *, abort
         templates = await load_templates(runtime, body)
         spec = parse_spec(body.get("spec") or {}, templates)
     except SpecError as e:
-        return await _write(runtime, body, stored, _invalid(stored, e, body))
+        lenient = _without_templates(body) if stored.phase in ACTIVE else None
+        if lenient is not None and (abort or _past_deadline(stored, lenient, now)):
+            # the analysis cannot be read any more (a template deleted since), but what to take out
+            # and where the traffic goes can: abort, so canaries are reverted and a deletion completes
+            status, events = await Reconciliation(runtime, lenient, body, now, True).run(stored)
+            why = "being deleted" if abort else "past its progress deadline"
+            message = f"invalid spec: {e}; {why}, the canaries are reverted"
+            if stored.message != message:
+                events.insert(0, Event("InvalidSpec", message, "Warning"))
+            status.message = message if status.phase in ACTIVE else status.message
+            status.refresh_conditions(now)
+            return await _write(runtime, body, stored, Result(status, events))
+        return await _write(runtime, body, stored, _invalid(stored, e, body, now))
     if stored.phase == FAILED and stored.reason == "InvalidSpec":
         stored = RolloutStatus()    # the spec was fixed: start over
     if stored.phase in FINAL_PHASES:
@@ -75,16 +87,39 @@ async def load_templates(runtime: Runtime, body: dict[str, Any]) -> dict[tuple[s
     return out
 
 
-def _invalid(stored: RolloutStatus, error: SpecError, body: dict[str, Any]) -> Result:
+def _invalid(stored: RolloutStatus, error: SpecError, body: dict[str, Any], now: float) -> Result:
     status = stored.copy()
     message = f"invalid spec: {error}"
-    events = [] if status.message == message else [Event("InvalidSpec", message, "Warning")]
     if status.phase in ACTIVE:
-        status.message = f"{message}; holding until it is fixed"    # never act on a spec we cannot read
+        # never act on a spec we cannot read: hold (to the progress deadline when the rest of it
+        # still reads, see `reconcile`)
+        message = f"{message}; holding until it is fixed"
+        status.message = message
     else:
         status.phase, status.reason, status.message = FAILED, "InvalidSpec", message
+    events = [] if stored.message == message else [Event("InvalidSpec", message, "Warning")]
     status.observed_generation = int(body["metadata"].get("generation") or 0)
+    status.refresh_conditions(now)   # so `kubectl wait --for=condition=...` ends on a refused rollout
     return Result(status, events)
+
+
+def _without_templates(body: dict[str, Any]) -> RolloutSpec | None:
+    """The spec read without its analysis templates (their checks dropped), or None when it is
+    invalid even so: enough to abort a rollout whose template was deleted while it ran."""
+    spec = dict(body.get("spec") or {})
+    analysis = spec.get("analysis")
+    if not isinstance(analysis, dict) or "templates" not in analysis:
+        return None
+    spec["analysis"] = {k: v for k, v in analysis.items() if k not in ("templates", "args")}
+    try:
+        return parse_spec(spec)
+    except SpecError:
+        return None
+
+
+def _past_deadline(stored: RolloutStatus, spec: RolloutSpec, now: float) -> bool:
+    since = stored.step_started_at or stored.started_at
+    return since is not None and now >= since + spec.progress_deadline
 
 
 async def _write(runtime: Runtime, body: dict[str, Any], stored: RolloutStatus, result: Result) -> Result:

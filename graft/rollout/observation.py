@@ -1,6 +1,7 @@
 """What the operator saw this tick, as plain data: pods, engine revisions, metrics, user controls."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Admin API answers, by how the rollout treats them.
@@ -14,6 +15,7 @@ PERMANENT_ERRORS = {
 MISCONFIGURED = "misconfigured"
 VERIFY_FAILED = "verify-failed"         # 422: the engine reverted it already
 UNREACHABLE = "unreachable"             # connection errors, timeouts, 5xx: tried again next tick
+BAD_ANSWER = "bad-answer"               # a 2xx whose body is not the API's (no revision): tried again next tick
 
 
 @dataclass(slots=True)
@@ -52,6 +54,21 @@ class Measurement:
     check: str
     values: dict[str, float | None] = field(default_factory=dict)
     error: str | None = None
+
+    def __post_init__(self) -> None:
+        """Whatever the provider: NaN reads as no data, an infinite number makes the measurement an
+        error naming it (no check can judge it, and a status cannot hold it)."""
+        for key, value in list(self.values.items()):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                self.error = self.error or f"{key} is {value!r:.60}, not a number"
+                self.values[key] = None
+            elif math.isnan(value):
+                self.values[key] = None
+            elif math.isinf(value):
+                self.error = self.error or f"{key} is {value}, not a finite number"
+                self.values[key] = None
 
     def get(self, key: str) -> float | None:
         return self.values.get(key)

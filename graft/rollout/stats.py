@@ -112,8 +112,13 @@ def difference(canary_errors: float, canary_requests: float, stable_errors: floa
     return Difference(k1, n1, k2, n2, lower, upper, p_worse)
 
 
+MAX_COUNT = 10 ** 12   # no window holds more requests; the tests' integer types end near 2^63
+
+
 def _counts(k: float, n: float) -> tuple[int, int]:
-    """Counts as integers: Prometheus' increase() extrapolates, so counters arrive as floats."""
-    n_i = max(0, int(round(n)))
-    k_i = min(n_i, max(0, int(round(k))))
+    """Counts as integers: Prometheus' increase() extrapolates, so counters arrive as floats. Counts
+    past MAX_COUNT (a counter reset misread, a custom query's sum) are clamped to it, so the tests
+    below get numbers they can work with instead of raising."""
+    n_i = min(MAX_COUNT, max(0, int(round(n))))
+    k_i = min(n_i, max(0, int(round(min(k, MAX_COUNT)))))
     return k_i, n_i

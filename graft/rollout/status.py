@@ -6,6 +6,7 @@ Times are epoch seconds in memory and RFC 3339 strings (UTC, milliseconds) in th
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -73,12 +74,13 @@ class CheckResult:
     numbers: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return _compact({"name": self.name, "role": self.role, "value": self.value,
+        return _compact({"name": self.name, "role": self.role, "value": _finite(self.value),
                          "threshold": self.threshold, "window": self.window, "verdict": self.verdict,
                          "breaches": self.breaches, "dryRun": self.dry_run or None,
                          "conclusive": self.conclusive or None, "short": self.short or None,
                          "message": self.message,
-                         "numbers": {k: float(f"{v:.6g}") for k, v in self.numbers.items()} or None})
+                         "numbers": {k: float(f"{v:.6g}") for k, v in self.numbers.items()
+                                     if _finite(v) is not None} or None})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CheckResult":
@@ -209,6 +211,11 @@ class RolloutStatus:
 def _reason(text: str) -> str:
     """A condition reason is CamelCase, no spaces (the API conventions)."""
     return "".join(ch for ch in text if ch.isalnum()) or "Unknown"
+
+
+def _finite(value: float | None) -> float | None:
+    """A number a status can hold (JSON has no NaN or Inf): non-finite values are written as none."""
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def _compact(d: dict[str, Any]) -> dict[str, Any]:

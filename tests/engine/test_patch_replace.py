@@ -22,7 +22,7 @@ OLD, NEW, SKEW = "3.2.1", "3.2.2-test", "3.2.2-skew"
 PROMPTS = ("The capital of France is", "def fibonacci(n):\n   ",
            "Q: A train leaves at 3 pm and travels for 2 hours. When does it arrive?\nA:")
 MAX_TOKENS = 6
-SWAPS = 10
+SWAPS = 6
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 import httpx
 import pytest
 
-from graft.operator.prometheus import HTTP, PARSE, QUERY, TRANSPORT, PrometheusProvider, ProviderError
+from graft.operator.prometheus import HTTP, NON_FINITE, PARSE, QUERY, TRANSPORT, PrometheusProvider, ProviderError
 
 
 def provider(answer) -> PrometheusProvider:
@@ -40,6 +40,10 @@ async def test_one_number_or_none():
     (httpx.Response(200, json={"status": "success", "data": {"resultType": "scalar", "result": None}}),
      PARSE, "scalar result is malformed"),
     (httpx.Response(200, json={"status": "success", "data": "nothing"}), PARSE, "not an object"),
+    (vector("+Inf"), NON_FINITE, "'+Inf', not a finite number"),
+    (vector("-Inf"), NON_FINITE, "'-Inf', not a finite number"),
+    (httpx.Response(200, json={"status": "success", "data": {"resultType": "scalar", "result": [0, "+Inf"]}}),
+     NON_FINITE, "not a finite number"),
 ])
 async def test_every_failure_is_a_provider_error_with_its_kind(answer, kind, needle):
     with pytest.raises(ProviderError) as info:

@@ -33,7 +33,7 @@ import math
 import numbers
 import operator
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -47,7 +47,7 @@ from graft.api import revision_of
 from graft.engine.patches.base import Patch, PatchError, parse_patch_list
 from graft.engine.patches.bundle import BundleVerifier, describe
 from graft.engine.patches.loading import load_checked, run_guarded
-from graft.engine.engine import EngineState, LLMEngine
+from graft.engine.engine import MAX_OUTCOME_DELAY, EngineState, LLMEngine
 from graft.engine.patches.slots import SLOT_NAMES, SlotTable
 from graft.engine.runner import ProbeRow
 from graft.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 REFERENCE_BYTES = 1 << 30   # probe logits remembered per revision, least recently used dropped first (the
                             # newest always kept): about 25 MiB a revision for the built-in plan in bf16
 STATE_RETRIES = 3           # self-checks started over when the engine's state changed under one
-MAX_OUTCOME_DELAY = 60.0    # seconds: the longest hold a `request.outcome` may ask for
 
 
 @dataclass(slots=True)
@@ -337,6 +336,9 @@ class PatchManager:
         self._lock = asyncio.Lock()
         self._bundles: dict[str, list[Patch]] = {}  # digest -> the patches of a bundle loaded once
         self._references: OrderedDict[str, torch.Tensor] = OrderedDict()  # revision -> its probe logits
+        self.faults: deque[dict[str, Any]] = deque(maxlen=16)   # patches taken out for a failing slot
+        self._loop: asyncio.AbstractEventLoop | None = None
+        engine.on_slot_fault = self._slot_fault
 
     @property
     def applied(self) -> Mapping[str, Applied]:
@@ -354,7 +356,8 @@ class PatchManager:
                 "available": [{"name": p.name, "version": p.version, "description": p.description,
                                "slots": sorted(p.slots), "liveSwitch": p.live_switch}
                               for p in sorted(self.available.values(), key=lambda p: p.id)],
-                "shadow": self.engine.shadow.describe()}
+                "shadow": self.engine.shadow.describe(),
+                "faults": list(self.faults)}
 
     # resolution
     def admit(self, name: str, version: str, source: Mapping[str, Any]) -> str:
@@ -442,6 +445,7 @@ class PatchManager:
         Without `replace` another applied version of `name` is a conflict (409), so a caller that
         did not ask for a swap never gets one.
         """
+        self._loop = asyncio.get_running_loop()
         async with self._lock:
             digest = self.admit(name, version, source)
             current = self.applied.get(name)
@@ -485,9 +489,35 @@ class PatchManager:
             current = self.applied.get(name)
             if current is None:
                 raise PatchError(404, f"no patch named {name} is applied")
-            ms = await self.engine.between_steps(lambda: self._swap_out(current))
+            # a stuck step loop never runs it: answer within the engine's stall timeout instead
+            limit = self.engine.config.stall_timeout
+            future = self.engine.call_between_steps(lambda: self._swap_out(current))
+            try:
+                ms = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit)
+            except asyncio.TimeoutError:
+                raise PatchError(503, f"the step loop did not come round within {limit:g}s to revert {name} "
+                                      f"({self.engine.health() or 'it is busy'}); the revert runs when it does") from None
             await self._unmigrate(current.patch)
             return {"revision": self.revision, "applyMs": round(ms, 3), "changed": True}
+
+    def _slot_fault(self, slot: str, error: BaseException) -> bool:
+        """The engine's `on_slot_fault` (step loop, between steps): a slot of an applied patch failed
+        on live traffic; the patch that provides it (the last applied, whose slot the table runs)
+        is taken out at once, and what its `migrate` added is dropped on the event loop after."""
+        owners = [a for a in self.applied.values() if slot in a.slots]
+        if not owners:
+            return False
+        applied = owners[-1]
+        self._swap_out(applied)
+        fault = {"patch": applied.patch.id, "slot": slot, "error": describe(error)[:300],
+                 "at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+                 "revision": self.engine.revision}
+        self.faults.append(fault)
+        log.error("took %s out: its %s failed on live traffic (%s); the engine runs %s",
+                  applied.patch.id, slot, fault["error"], fault["revision"])
+        if applied.patch.unmigrate and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._unmigrate(applied.patch)))
+        return True
 
     async def warm_up(self) -> None:
         """Compute the current revision's probe logits ahead of the first apply (in pieces between
@@ -507,13 +537,30 @@ class PatchManager:
             except Exception:
                 log.exception("computing the self-check reference of %s failed", state.revision)
 
-    async def apply_startup(self, spec: str) -> None:
-        """Apply `name@version,...` (GRAFT_PATCHES) at start-up; a bad entry stops the process."""
+    async def apply_startup(self, spec: str) -> tuple[str, ...]:
+        """Apply `name@version,...` (GRAFT_PATCHES, the pod's `graft.dev/patches`) at start-up.
+
+        Built-in entries are applied now; one that fails stops the process. An entry that is not
+        built in came from a bundle, which only the operator can hand back (the engine keeps no
+        code it was sent): it is left for it, and the engine answers /ready with 503 until every
+        such entry is applied again (`LLMEngine.awaiting`), so a restarted pod serves neither
+        `base` nor half its patches. Returns the entries left waiting.
+        """
+        waiting = []
         for name, version in parse_patch_list(spec):
+            ref = f"{name}@{version}"
+            if ref not in self.available:
+                waiting.append(ref)
+                continue
             try:
                 await self.apply(name, version, {"builtin": True})
             except PatchError as exc:
                 raise SystemExit(f"GRAFT_PATCHES: cannot apply {name}@{version}: {exc.message}") from None
+        self.engine.awaiting = tuple(waiting)
+        if waiting:
+            log.warning("GRAFT_PATCHES names %s, not built in: a bundle's, which the operator applies again; "
+                        "not ready until it has", ", ".join(waiting))
+        return self.engine.awaiting
 
     def _state(self, applied: Mapping[str, Applied]) -> EngineState:
         """The engine state that runs `applied`: the base table with their slots, and its revision."""
