@@ -58,6 +58,8 @@ class Measurement:
     def __post_init__(self) -> None:
         """Whatever the provider: NaN reads as no data, an infinite number makes the measurement an
         error naming it (no check can judge it, and a status cannot hold it)."""
+        if self.values is None:
+            self.values = {}
         for key, value in list(self.values.items()):
             if value is None:
                 continue
