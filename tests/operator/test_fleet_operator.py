@@ -9,7 +9,7 @@ import asyncio
 
 from graft.operator.kube import fleet_path, pods_path
 
-from operator_cluster import create, create_pod, get_rollout, manifest, phase_is, until
+from operator_cluster import CHECKS, create, create_pod, get_rollout, manifest as _manifest, phase_is, until
 from operator_fakes import FakeEngine
 
 PATCHED = "graft.dev/patched"
@@ -18,6 +18,13 @@ PATCHED = "graft.dev/patched"
 # A rollout of these fake engines promotes in under 10 s alone; in `make test` the other worker runs
 # real fleets beside this operator thread, which then gets a fraction of a core.
 PROMOTED_WITHIN = 150
+# and its Prometheus then scrapes late: a 2 s window over a revision's new series can hold fewer than
+# the two samples increase() needs for as long as that lasts, so these rollouts judge 8 s windows
+WIDE = {role: [{**check, "window": "8s"} for check in checks] for role, checks in CHECKS.items()}
+
+
+def manifest(prometheus, **spec):
+    return _manifest(prometheus, analysis=WIDE, **spec)
 
 
 async def fleets(cluster, namespace):
