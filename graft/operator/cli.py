@@ -1,8 +1,9 @@
 """`graft rollout status [-w] | pause | resume | promote [--full] | abort | retry NAME | simulate -f FILE`, also
 `kubectl graft ...`.
 
-Each verb changes one field of the PatchRollout and the operator does the rest: `pause`/`resume`
-set `spec.paused`, `promote` sets the annotation `graft.dev/promote` (`step` or `full`), `abort`
+Each verb changes one field of the PatchRollout and the operator does the rest: `pause` sets
+`spec.paused`, `resume` clears it and sets the annotation `graft.dev/resume: "true"` (which ends a
+pause the analysis decided, kept in status.pauseConditions), `promote` sets the annotation `graft.dev/promote` (`step` or `full`), `abort`
 sets `graft.dev/abort: "true"`. `status` shows the step, the weight, the pods and every metric
 against its threshold (graft.operator.render, which `graft demo` shows too), with a warning when
 pod-ratio routing cannot honour the first steps (CoarseSteps); `-w` keeps it on screen, updated,
@@ -137,8 +138,11 @@ def _pause(api, namespace, args, console) -> int:
 
 
 def _resume(api, namespace, args, console) -> int:
-    _patch(api, namespace, args.name, {"spec": {"paused": False}})
-    console.print(f"PatchRollout {namespace}/{args.name} resumed")
+    status = _get(api, namespace, args.name).get("status") or {}
+    _patch(api, namespace, args.name, {"spec": {"paused": False},
+                                       "metadata": {"annotations": {"graft.dev/resume": "true"}}})
+    ended = ", ".join(str(c.get("reason")) for c in status.get("pauseConditions") or [])
+    console.print(f"PatchRollout {namespace}/{args.name} resumed" + (f" (ends its {ended} pause)" if ended else ""))
     return 0
 
 
@@ -171,7 +175,8 @@ def _retry(api, namespace, args, console) -> int:
         raise CliError(f"PatchRollout {namespace}/{args.name} is {phase or 'Pending'}: only a RolledBack or "
                        "Failed rollout can be retried")
     _patch(api, namespace, args.name, {"metadata": {"annotations": {"graft.dev/abort": None,
-                                                                    "graft.dev/promote": None}}})
+                                                                    "graft.dev/promote": None,
+                                                                    "graft.dev/resume": None}}})
     try:
         api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, args.name, {"status": None})
     except ApiException as e:

@@ -8,6 +8,13 @@ the pods the rollout acts on (Ready ones) are its own, and the rollout's patch i
 
 The rollout side (graft.operator.reconcile) finds or creates the fleet when a rollout starts, and
 records the patch in the fleet when the rollout is promoted.
+
+Fleets are told apart by the pods they select, not by their selector's text: a rollout's fleet is
+the one with the same selector (spelled any way) or, failing that, the one selecting exactly the
+same pods. Two fleets that share a pod would each take the other's patches for drift and revert
+them, so they are refused: the younger fleet acts on no pod while the overlap lasts (its condition
+says which fleet and pods), and a rollout whose pods another fleet also selects holds, Pending, with
+reason FleetOverlap until the selectors are made apart or its progress deadline ends it.
 """
 from __future__ import annotations
 
@@ -30,6 +37,46 @@ from graft.rollout.spec import (FleetSpec, LabelSelector, PatchSpec, SpecError, 
 from graft.rollout.status import PENDING, from_time, to_time
 
 ACTIVE_PHASES = ("Progressing", "Paused", "RollingBack")
+FLEET_OVERLAP = "FleetOverlap"
+
+
+class FleetOverlap(Exception):
+    """The pods a selector picks are shared with a fleet that does not pick exactly them."""
+
+
+@dataclass(slots=True)
+class _Fleet:
+    name: str
+    selector: LabelSelector
+    created: str
+    pods: frozenset[str]
+
+    @property
+    def age(self) -> tuple[str, str]:
+        return (self.created, self.name)      # older first; the name breaks a tie
+
+
+async def _fleets(kube: Kube, namespace: str) -> tuple[list[_Fleet], list[dict[str, Any]]]:
+    """Every valid fleet of the namespace with the pods it selects now, and those pods."""
+    pods = await podsmod.list_pods(kube, namespace, "")
+    out = []
+    for fleet in await kube.list(fleet_path(namespace)):
+        try:
+            selector = parse_fleet_spec(fleet.get("spec") or {}).selector
+        except SpecError:
+            continue
+        out.append(_Fleet(fleet["metadata"]["name"], selector, fleet["metadata"].get("creationTimestamp") or "",
+                          _selected(selector, pods)))
+    return out, pods
+
+
+def _selected(selector: LabelSelector, pods: list[dict[str, Any]]) -> frozenset[str]:
+    return frozenset(p["metadata"]["name"] for p in pods if selector.matches(p["metadata"].get("labels") or {}))
+
+
+def _names(pods) -> str:
+    names = sorted(pods)
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 @dataclass(slots=True)
@@ -121,6 +168,13 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
             old_status, False, "InvalidSpec", f"invalid spec: {e}", meta)},
             [("InvalidSpec", f"invalid spec: {e}", "Warning")])
     raw = await podsmod.list_pods(runtime.kube, namespace, spec.selector.to_query())
+    stand_down = await _overlapped(runtime.kube, namespace, body, raw)
+    if stand_down is not None:
+        before = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Converged"), {})
+        events = [] if before.get("reason") == FLEET_OVERLAP and before.get("message") == stand_down else \
+            [(FLEET_OVERLAP, stand_down, "Warning")]
+        return await _write(runtime, body, {**old_status, "activeRollout": None, "conditions": _conditions(
+            old_status, False, FLEET_OVERLAP, stand_down, meta)}, events)
     try:
         admin = await runtime.admin()
     except TokenError as e:
@@ -156,6 +210,21 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
     if (old_status.get("converged"), old_status.get("pods"), old_status.get("revision")) != (converged, len(raw), revision):
         events.append(("FleetConverged" if ok else "FleetConverging", message, "Normal"))
     return await _write(runtime, body, status, events)
+
+
+async def _overlapped(kube: Kube, namespace: str, body: dict[str, Any], raw: list[dict[str, Any]]) -> str | None:
+    """Why this fleet must act on no pod (an older fleet selects some of its pods), or None."""
+    meta = body["metadata"]
+    me = (meta.get("creationTimestamp") or "", meta["name"])
+    mine = frozenset(p["metadata"]["name"] for p in raw)
+    fleets, _ = await _fleets(kube, namespace)
+    older = sorted((f for f in fleets if f.name != meta["name"] and f.pods & mine and f.age < me), key=lambda f: f.age)
+    if not older:
+        return None
+    other = older[0]
+    return (f"acts on no pod: the older PatchFleet {other.name} ({other.selector.to_query()}) also selects "
+            f"{_names(other.pods & mine)}, and two fleets over one pod would revert each other's patches; "
+            "make the selectors pick apart")
 
 
 async def _reread(runtime: Runtime, namespace: str, name: str, spec: FleetSpec) -> FleetSpec:
@@ -250,15 +319,26 @@ def fleet_name_for(selector: LabelSelector) -> str:
 
 
 async def find_fleet(kube: Kube, namespace: str, selector: LabelSelector) -> str | None:
-    """The fleet whose selector is `selector`, if one exists."""
+    """The fleet of the pods `selector` picks, if one exists: the fleet with the same selector, else
+    the one selecting exactly the same pods. FleetOverlap when any other fleet selects some of them."""
+    fleets, pods = await _fleets(kube, namespace)
+    return _fleet_of(selector, fleets, _selected(selector, pods))
+
+
+def _fleet_of(selector: LabelSelector, fleets: list[_Fleet], mine: frozenset[str]) -> str | None:
     query = selector.to_query()
-    for fleet in await kube.list(fleet_path(namespace)):
-        try:
-            if parse_fleet_spec(fleet.get("spec") or {}).selector.to_query() == query:
-                return fleet["metadata"]["name"]
-        except SpecError:
-            continue
-    return None
+    ours = next((f for f in fleets if f.selector.to_query() == query), None)
+    if ours is None and mine:
+        ours = min((f for f in fleets if f.pods == mine), key=lambda f: f.age, default=None)
+    clash = sorted((f for f in fleets if f is not ours and f.pods & mine), key=lambda f: f.age)
+    if clash:
+        other = clash[0]
+        raise FleetOverlap(
+            f"PatchFleet {other.name} ({other.selector.to_query()}) also selects {_names(other.pods & mine)}, "
+            f"which the selector {query} picks" + (f" for PatchFleet {ours.name}" if ours else "")
+            + "; two fleets over one pod would revert each other's patches: make the selectors pick apart "
+              "(or the same pods)")
+    return ours.name if ours else None
 
 
 async def find_or_create_fleet(kube: Kube, namespace: str, selector: LabelSelector, stable_revision: str) -> str:
@@ -276,14 +356,28 @@ async def find_or_create_fleet(kube: Kube, namespace: str, selector: LabelSelect
     spec: dict[str, Any] = {"selector": _selector_dict(selector),
                             "patches": [patch_to_dict(p) for p in adopt(stable_revision)]}
     try:
-        await kube.create(fleet_path(namespace), {"apiVersion": "graft.dev/v1alpha1", "kind": "PatchFleet",
-                                                  "metadata": {"name": name, "namespace": namespace}, "spec": spec})
+        created = await kube.create(fleet_path(namespace), {
+            "apiVersion": "graft.dev/v1alpha1", "kind": "PatchFleet",
+            "metadata": {"name": name, "namespace": namespace}, "spec": spec})
     except KubeError as e:
         # another rollout on this selector created it since we looked (two starting or ending at once)
         found = await find_fleet(kube, namespace, selector) if e.status == 409 else None
         if found is None:
             raise
         return found
+    # two rollouts over overlapping pods, starting in the same moment, may each have created one:
+    # the younger fleet goes again, and its rollout holds as if it had seen the other in time
+    fleets, pods = await _fleets(kube, namespace)
+    mine = next((f for f in fleets if f.name == name), None)
+    older = [f for f in fleets if mine is not None and f.name != name and f.pods & mine.pods and f.age < mine.age]
+    if older:
+        uid = (created.get("metadata") or {}).get("uid")
+        try:
+            await kube.delete(fleet_path(namespace, name), preconditions={"uid": uid} if uid else None)
+        except KubeError:
+            pass
+        raise FleetOverlap(f"PatchFleet {older[0].name} ({older[0].selector.to_query()}) also selects "
+                           f"{_names(older[0].pods & mine.pods)}, which the selector {query} picks")
     return name
 
 

@@ -6,8 +6,10 @@ system's CAs, or a CA bundle from a Secret).
 
 A query that cannot be answered (Prometheus unreachable, refused, a bad query, a timeout, several
 series where one number is needed, an infinite value) makes its check's Measurement carry `error`:
-the check's verdict is Error, which holds the rollout (and counts towards `errorLimit`); it never
-promotes it. NaN (0/0: a ratio over no requests) reads as no data, like an empty vector.
+the check's verdict is Error, which holds the rollout; it never promotes it. Unreachable, a timeout
+or a 5xx is an outage (`ProviderError.outage`): the rollout holds and goes on by itself once
+Prometheus answers, pausing for a person past `outageLimit`; any other error counts towards
+`errorLimit`, as a check that cannot be judged will not mend itself. NaN (0/0: a ratio over no requests) reads as no data, like an empty vector.
 """
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ NON_FINITE = "non-finite"  # +Inf or -Inf: NaN counts as no data
 class ProviderError(Exception):
     """Prometheus could not give the number asked for; `kind` says which way, the message why (for the status)."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, *, outage: bool = False):
         super().__init__(message)
         self.kind = kind
+        self.outage = outage or kind == TRANSPORT     # Prometheus down or restarting: it passes by itself
 
 
 class PrometheusProvider:
@@ -65,13 +68,15 @@ class PrometheusProvider:
             body = r.json()
         except ValueError:   # json.JSONDecodeError and UnicodeDecodeError alike
             raise ProviderError(HTTP, f"Prometheus at {self.address} answered HTTP {r.status_code} "
-                                      "without JSON") from None
+                                      "without JSON", outage=r.status_code >= 500) from None
         if not isinstance(body, dict):
             raise ProviderError(PARSE, f"Prometheus at {self.address} answered a JSON {type(body).__name__}, "
                                        "not an object")
         if body.get("status") != "success":
+            # 503 is Prometheus starting up or its query timeout under load; 502/504 a proxy before it
             raise ProviderError(QUERY, f"Prometheus refused the query ({body.get('errorType', r.status_code)}: "
-                                       f"{body.get('error', 'no reason given')})")
+                                       f"{body.get('error', 'no reason given')})",
+                                outage=r.status_code in (502, 503, 504))
         return _number(body.get("data") or {})
 
     async def measure(self, plan: list[tuple[object, list[Series]]]) -> list[Measurement]:
@@ -82,7 +87,7 @@ class PrometheusProvider:
         try:
             values = await asyncio.gather(*(self.query(s.promql) for s in series))
         except ProviderError as e:
-            return Measurement(key, error=str(e))
+            return Measurement(key, error=str(e), outage=e.outage)
         return Measurement(key, {s.key: v for s, v in zip(series, values)})
 
 

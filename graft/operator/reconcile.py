@@ -21,9 +21,10 @@ from graft.operator.routers import RouteError, Router, router_for
 from graft.operator.problems import BundleError, SecretError, TokenError
 from graft.operator.runtime import Runtime
 from graft.rollout.analysis import plan_run
-from graft.operator.fleet import (active_rollout, create_for_gated_pods, find_fleet, find_or_create_fleet,
+from graft.operator.fleet import (FLEET_OVERLAP, FleetOverlap, active_rollout, create_for_gated_pods, find_fleet,
+                                  find_or_create_fleet,
                                   record_promotion)
-from graft.rollout.decision import (Action, ClearPromote, Event, LabelPod, PatchPod, PauseRollout,
+from graft.rollout.decision import (Action, ClearPromote, ClearResume, Event, LabelPod, PatchPod,
                                     RecordPromotion, SetWeight, UnpatchPod)
 from graft.rollout.machine import QUEUED, analysis_due, decide, known_revision
 from graft.rollout.observation import (UNREACHABLE, Controls, Measurement, Observation, PodError,
@@ -35,6 +36,7 @@ from graft.rollout.status import (FAILED, PAUSED, PENDING, PROGRESSING, ROLLING_
                                   from_time)
 
 PROMOTE_ANNOTATION = "graft.dev/promote"
+RESUME_ANNOTATION = "graft.dev/resume"
 ABORT_ANNOTATION = "graft.dev/abort"
 MAX_ROUNDS = 5
 ACTIVE = (PROGRESSING, PAUSED, ROLLING_BACK)
@@ -146,10 +148,12 @@ class Reconciliation:
         self.problem: Problem | None = None
         self.sources: dict[str, dict[str, Any]] = {}   # patch ref -> the POST body's source
         self.promote_done = False                # a promote control acts once, not once per round
+        self.resume_done = False                 # and so does a resume
         self.status = RolloutStatus()
 
     async def run(self, status: RolloutStatus) -> tuple[RolloutStatus, list[Event]]:
         events: list[Event] = []
+        pending = status.copy() if status.phase == PENDING else None
         if status.phase == PENDING:
             await self.wait_for_turn()
         measurements = await self.measure(status) if analysis_due(self.spec, status, self.now) else None
@@ -162,15 +166,25 @@ class Reconciliation:
             if not d.actions:
                 break
             if starting:
-                await self.claim_fleet(status)
+                try:
+                    await self.claim_fleet(status)
+                except FleetOverlap as e:
+                    # lost a race with a rollout over overlapping pods starting at the same moment:
+                    # nothing is touched, and the next tick holds it as wait_for_turn would have
+                    pending.reason, pending.message = FLEET_OVERLAP, str(e)
+                    return pending, []
             self.status = status
             await self.execute(d.actions)
-        if status.phase != PENDING and not status.fleet:
-            status.fleet = await find_or_create_fleet(self.runtime.kube, self.namespace, self.spec.selector,
-                                                      status.stable_revision)
-        elif status.phase == PENDING and status.reason == NO_PODS:
-            # pods held by the readiness gate need a fleet before this rollout can see them Ready
-            await create_for_gated_pods(self.runtime, self.namespace, self.spec.selector, list(self.pods.values()))
+        try:
+            if status.phase != PENDING and not status.fleet:
+                status.fleet = await find_or_create_fleet(self.runtime.kube, self.namespace, self.spec.selector,
+                                                          status.stable_revision)
+            elif status.phase == PENDING and status.reason == NO_PODS:
+                # pods held by the readiness gate need a fleet before this rollout can see them Ready
+                await create_for_gated_pods(self.runtime, self.namespace, self.spec.selector,
+                                            list(self.pods.values()))
+        except FleetOverlap:
+            pass        # a started rollout keeps going without one; a pending one holds on it next tick
         return status, events
 
     async def claim_fleet(self, status: RolloutStatus) -> None:
@@ -184,8 +198,13 @@ class Reconciliation:
                                        {"status": status.to_dict()})
 
     async def wait_for_turn(self) -> None:
-        """One rollout per fleet at a time: a second one waits, Pending (Queued), for the first to end."""
-        fleet = await find_fleet(self.runtime.kube, self.namespace, self.spec.selector)
+        """One rollout per fleet at a time: a second one waits, Pending (Queued), for the first to end.
+        One whose pods another fleet also selects holds, Pending (FleetOverlap)."""
+        try:
+            fleet = await find_fleet(self.runtime.kube, self.namespace, self.spec.selector)
+        except FleetOverlap as e:
+            self.problem = Problem(FLEET_OVERLAP, f"holding: {e}")
+            return
         if fleet is None:
             return
         other = await active_rollout(self.runtime.kube, self.namespace, fleet)
@@ -220,7 +239,8 @@ class Reconciliation:
             problem = problem or Problem(e.reason, e.message)
         annotations = self.body["metadata"].get("annotations") or {}
         controls = Controls(promote=None if self.promote_done else annotations.get(PROMOTE_ANNOTATION) or None,
-                            abort=self.abort or annotations.get(ABORT_ANNOTATION, "").lower() == "true")
+                            abort=self.abort or annotations.get(ABORT_ANNOTATION, "").lower() == "true",
+                            resume=not self.resume_done and annotations.get(RESUME_ANNOTATION, "").lower() == "true")
         return Observation(observed, measurements, route_weight, controls, problem,
                            from_time(self.body["metadata"].get("creationTimestamp")) or self.now,
                            int(self.body["metadata"].get("generation") or 0))
@@ -270,9 +290,10 @@ class Reconciliation:
                 if self.status.fleet:
                     await record_promotion(self.runtime.kube, self.namespace, self.status.fleet, self.spec.patch,
                                            revert=self.spec.action == REVERT)
-            case PauseRollout():
+            case ClearResume():
+                self.resume_done = True
                 await self.runtime.kube.merge_patch(rollout_path(self.namespace, self.name),
-                                                    {"spec": {"paused": True}})
+                                                    {"metadata": {"annotations": {RESUME_ANNOTATION: None}}})
             case ClearPromote():
                 self.promote_done = True
                 await self.runtime.kube.merge_patch(rollout_path(self.namespace, self.name),

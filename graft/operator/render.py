@@ -98,6 +98,10 @@ def _summary(obj: dict[str, Any], ready: int | None, events: Sequence[dict[str, 
     summary.add_row("Canary", status.get("canaryRevision") or "-")
     if status.get("message"):
         summary.add_row("Message", status["message"])
+    for c in status.get("pauseConditions") or []:
+        summary.add_row(Text("Paused by", style="bold yellow"),
+                        f"{c.get('reason')} since {c.get('startTime')}: graft rollout resume {meta['name']} "
+                        "(or the annotation graft.dev/resume=true) ends it")
     coarse = coarse_steps(obj, events)
     if coarse is not None:
         summary.add_row(Text(f"Warning {COARSE_STEPS}", style="bold yellow"),

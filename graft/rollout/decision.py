@@ -38,8 +38,8 @@ class ClearPromote:
 
 
 @dataclass(slots=True, frozen=True)
-class PauseRollout:
-    """Set the rollout's spec.paused: the analysis cannot decide and a person must (resume or abort)."""
+class ClearResume:
+    """Remove the graft.dev/resume annotation once acted on."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,7 +47,7 @@ class RecordPromotion:
     """Write the promoted patch into the fleet's durable state (its PatchFleet), for every pod to come."""
 
 
-Action = PatchPod | UnpatchPod | LabelPod | SetWeight | ClearPromote | PauseRollout | RecordPromotion
+Action = PatchPod | UnpatchPod | LabelPod | SetWeight | ClearPromote | ClearResume | RecordPromotion
 
 
 @dataclass(slots=True, frozen=True)

@@ -21,18 +21,20 @@ import math
 from collections import Counter
 
 from graft.rollout import analysis as judge
-from graft.rollout.decision import (ClearPromote, Decision, Event, LabelPod, PatchPod, PauseRollout,
+from graft.rollout.decision import (ClearPromote, ClearResume, Decision, Event, LabelPod, PatchPod,
                                     RecordPromotion, SetWeight, UnpatchPod)
 from graft.rollout.durations import format_duration
 from graft.rollout.observation import PERMANENT_ERRORS, VERIFY_FAILED, Observation, PodObservation
 from graft.api import FINAL_PHASES, has_patch, patches_of, with_patch, without_patch
 from graft.rollout.spec import REVERT, RolloutSpec
 from graft.rollout.status import (CANARY, FAILED, PAUSED, PENDING, PROGRESSING, PROMOTED,
-                                  ROLLED_BACK, ROLLING_BACK, STABLE, PodRecord, RolloutStatus)
+                                  ROLLED_BACK, ROLLING_BACK, STABLE, PodRecord, RolloutStatus, to_time)
 
 WARNING = "Warning"
 # reasons for a pause the analysis asked for (a person resumes or aborts)
-INCONCLUSIVE_LIMIT, ERROR_LIMIT = "InconclusiveLimit", "AnalysisErrorLimit"
+INCONCLUSIVE_LIMIT, ERROR_LIMIT, OUTAGE_LIMIT = "InconclusiveLimit", "AnalysisErrorLimit", "AnalysisOutageLimit"
+UNAVAILABLE = "AnalysisUnavailable"   # Prometheus cannot be reached: the step holds and goes on by itself
+RESUME_HINT = "resume (graft rollout resume, or the annotation graft.dev/resume=true) or abort"
 QUEUED = "Queued"      # another rollout is active on the same fleet
 
 
@@ -41,6 +43,11 @@ def canary_target(pods: int, weight: int) -> int:
     if pods <= 0 or weight <= 0:
         return 0
     return min(pods, max(1, math.ceil(pods * weight / 100)))
+
+
+def about(seconds: float) -> str:
+    """A measured time, to the second, for a message."""
+    return format_duration(round(max(0.0, seconds)))
 
 
 def same_patch(revision: str, ref: str) -> str | None:
@@ -304,6 +311,7 @@ class _Machine:
         status, step = self.status, self.spec.step(index)
         status.step_index, status.step_started_at, status.step_ready_at = index, self.now, None
         status.analysis.inconclusive_runs = status.analysis.error_runs = 0
+        status.analysis.outage_seconds = 0.0
         pods = len(self.ready)
         self.event("StepStarted", f"{self.step_label}: weight {step.weight}%, "
                                   f"{canary_target(pods, step.weight)} of {pods} pods run {self.ref}"
@@ -346,28 +354,36 @@ class _Machine:
             self.progress_message(ready)
 
     def pause_or_resume(self) -> None:
+        """Two kinds of pause: the user's (spec.paused) and the controller's (status.pauseConditions,
+        ended by the graft.dev/resume annotation). The rollout goes on when neither holds it."""
         status, spec = self.status, self.spec
-        asked = status.pause_generation is not None
-        if asked and not spec.paused and self.obs.generation < status.pause_generation + 2:
-            # the analysis asked for spec.paused and it is not written (or not seen) yet: ask again
-            self.actions.append(PauseRollout())
-            return
-        if spec.paused and status.phase == PROGRESSING:
+        if self.obs.controls.resume:
+            self.actions.append(ClearResume())
+            if status.pause_conditions:
+                ended = ", ".join(str(c.get("reason")) for c in status.pause_conditions)
+                status.pause_conditions = []
+                self.event("PauseEnded", f"{ended} pause at {self.step_label} ended by the user (graft.dev/resume)"
+                           + ("; spec.paused still holds it" if spec.paused else ""))
+        if (spec.paused or status.pause_conditions) and status.phase == PROGRESSING:
             status.phase = PAUSED
             self.event("Paused", f"paused at {self.step_label} (weight {status.weight}%)")
-        elif not spec.paused and status.phase == PAUSED:
-            status.phase, status.step_started_at, status.pause_generation = PROGRESSING, self.now, None
+        elif not spec.paused and not status.pause_conditions and status.phase == PAUSED:
+            status.phase, status.step_started_at = PROGRESSING, self.now
             if status.step_ready_at is not None:
                 status.step_ready_at = self.now
-            status.analysis.inconclusive_runs = status.analysis.error_runs = 0
+            a = status.analysis
+            a.inconclusive_runs = a.error_runs = 0
+            a.outage_since, a.outage_seconds = None, 0.0
             self.event("Resumed", f"resumed at {self.step_label}; its pause starts over")
 
     def pause_for_analysis(self, reason: str, message: str) -> None:
-        """The analysis cannot decide: pause for a person, saying why, instead of holding to the deadline."""
+        """The analysis cannot decide: pause for a person, saying why, instead of holding to the
+        deadline. The pause lives in status.pauseConditions, not in spec.paused: the spec stays what
+        its author wrote, so a GitOps tool has nothing to heal and cannot resume it by accident."""
         status = self.status
-        status.phase, status.pause_generation = PAUSED, self.obs.generation
-        self.actions.append(PauseRollout())
-        status.reason, status.message = reason, f"{self.step_label}: {message}; paused: resume or abort"
+        status.phase = PAUSED
+        status.pause_conditions = [{"reason": reason, "message": message, "startTime": to_time(self.now)}]
+        status.reason, status.message = reason, f"{self.step_label}: {message}; paused: {RESUME_HINT}"
         self.event(reason, status.message, WARNING)
 
     def promote_request(self, how: str) -> None:
@@ -458,7 +474,8 @@ class _Machine:
             blamed = "; ".join(f"{r.role} {r.message}" for r in judge.failing(analysis_spec, results))
             self.rollback("AnalysisFailed", f"analysis failed at {self.step_label}: {blamed}", ROLLED_BACK)
             return True
-        status.analysis.error_runs = status.analysis.error_runs + 1 if verdict == judge.ERROR else 0
+        outage = self.outage(verdict, results)
+        status.analysis.error_runs = status.analysis.error_runs + 1 if verdict == judge.ERROR and not outage else 0
         paused_enough = (status.step_ready_at is not None
                          and self.now >= status.step_ready_at + spec.step(status.step_index).pause)
         holding = verdict == judge.INCONCLUSIVE and paused_enough and not status.full_promotion
@@ -471,7 +488,12 @@ class _Machine:
             self.event("AnalysisInconclusive", f"{self.step_label}: holding ({verdict}): {held}", WARNING)
         if status.phase != PROGRESSING:
             return False
-        if analysis_spec.error_limit and status.analysis.error_runs >= analysis_spec.error_limit:
+        since = status.analysis.outage_since
+        if outage and analysis_spec.outage_limit and self.now - since >= analysis_spec.outage_limit:
+            self.pause_for_analysis(OUTAGE_LIMIT, f"Prometheus could not be reached for "
+                                                  f"{about(self.now - since)} (outageLimit "
+                                                  f"{format_duration(analysis_spec.outage_limit)}): {held}")
+        elif analysis_spec.error_limit and status.analysis.error_runs >= analysis_spec.error_limit:
             self.pause_for_analysis(ERROR_LIMIT, f"the analysis failed {status.analysis.error_runs} runs in a row "
                                                  f"(errorLimit {analysis_spec.error_limit}): {held}")
         elif (analysis_spec.inconclusive_limit
@@ -480,6 +502,27 @@ class _Machine:
                                     f"the analysis held the step {status.analysis.inconclusive_runs} runs past its "
                                     f"pause (inconclusiveLimit {analysis_spec.inconclusive_limit}): {held}")
         return False
+
+    def outage(self, verdict: str, results: list) -> bool:
+        """Track an outage of Prometheus (every failing query of a deciding check failed to reach it):
+        the step holds, its progress deadline waits, and it goes on by itself once Prometheus answers."""
+        a = self.status.analysis
+        failing = {f"{r.role}/{r.name}" for r in judge.holding(results) if r.verdict == judge.ERROR}
+        errors = [m for m in self.obs.measurements or [] if m.check in failing]
+        outage = verdict == judge.ERROR and bool(errors) and all(m.outage for m in errors)
+        if outage and a.outage_since is None:
+            a.outage_since = self.now
+            limit = self.spec.analysis.outage_limit
+            self.event(UNAVAILABLE, f"{self.step_label}: Prometheus cannot be reached ({errors[0].error}); "
+                                    f"holding at weight {self.status.weight}% until it answers"
+                                    + (f", pausing after {format_duration(limit)}" if limit else ""), WARNING)
+        elif not outage and a.outage_since is not None:
+            lasted = max(0.0, self.now - a.outage_since)
+            a.outage_seconds += lasted
+            a.outage_since = None
+            self.event("AnalysisAvailable", f"{self.step_label}: Prometheus answers again after "
+                                            f"{about(lasted)}; the step goes on")
+        return outage
 
     def waiting_for(self, ready: bool) -> str:
         if not ready:
@@ -493,13 +536,18 @@ class _Machine:
         analysis = self.status.analysis
         if analysis.verdict is None:
             return "no analysis yet"
+        if analysis.outage_since is not None:
+            return (f"Prometheus unreachable for {about(self.now - analysis.outage_since)}; "
+                    "holding until it answers")
         return f"analysis {analysis.verdict}"
 
     def deadline(self, why: str) -> None:
         status = self.status
         if status.phase != PROGRESSING or status.step_started_at is None:
             return
-        limit = status.step_started_at + self.spec.step(status.step_index).pause + self.spec.progress_deadline
+        # time spent holding for Prometheus is not the step's fault: the deadline waits for it
+        limit = (status.step_started_at + self.spec.step(status.step_index).pause + self.spec.progress_deadline
+                 + status.analysis.held_by_outage(self.now))
         if self.now > limit:
             self.rollback("ProgressDeadlineExceeded",
                           f"{self.step_label} made no progress for {format_duration(self.spec.progress_deadline)} "
@@ -511,14 +559,15 @@ class _Machine:
         head = f"{self.step_label}: weight {self.spec.step(status.step_index).weight}%, " \
                f"{canaries} of {len(self.ready)} pods canary"
         if status.phase == PAUSED:
-            if status.pause_generation is None:      # a pause the analysis asked for keeps its reason
+            if not status.pause_conditions:      # a pause the analysis asked for keeps its reason
                 status.reason, status.message = "Paused", f"{head}; paused"
             return
         why = self.waiting_for(ready)
         if not self.ready:
             self.note("NoPods", f"{head}; {why}")
             return
-        status.reason, status.message = "Progressing", f"{head}; {why}"
+        status.reason = UNAVAILABLE if ready and status.analysis.outage_since is not None else "Progressing"
+        status.message = f"{head}; {why}"
 
     # endings
     def promote(self) -> None:
@@ -539,7 +588,7 @@ class _Machine:
         status.phase, status.reason, status.message = ROLLING_BACK, reason, message
         status.cause, status.end_phase = message, end
         # nothing planned for the step still applies: rolling back recomputes pods and route
-        self.actions = [action for action in self.actions if isinstance(action, ClearPromote)]
+        self.actions = [action for action in self.actions if isinstance(action, (ClearPromote, ClearResume))]
         self.event("RollingBack", f"{message}; reverting {self.ref}", WARNING)
         self.rolling_back()
 

@@ -48,12 +48,15 @@ class Measurement:
     """One check's numbers, as its plan names them (graft.rollout.analysis.plan_run).
 
     `check` is the check's key (`breaker/error-rate`, `gate/tpot-p99`). A value of None: the query
-    returned nothing. `error`: the provider failed (unreachable, a bad query, a timeout).
+    returned nothing. `error`: the provider failed (unreachable, a bad query, a timeout); `outage`:
+    it failed because Prometheus could not be reached or answered 5xx, which passes by itself (the
+    rollout holds and goes on), unlike a refused query or a non-finite answer (the check is wrong).
     """
 
     check: str
     values: dict[str, float | None] = field(default_factory=dict)
     error: str | None = None
+    outage: bool = False
 
     def __post_init__(self) -> None:
         """Whatever the provider: NaN reads as no data, an infinite number makes the measurement an
@@ -64,12 +67,12 @@ class Measurement:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                self.error = self.error or f"{key} is {value!r:.60}, not a number"
+                self.error, self.outage = self.error or f"{key} is {value!r:.60}, not a number", False
                 self.values[key] = None
             elif math.isnan(value):
                 self.values[key] = None
             elif math.isinf(value):
-                self.error = self.error or f"{key} is {value}, not a finite number"
+                self.error, self.outage = self.error or f"{key} is {value}, not a finite number", False
                 self.values[key] = None
 
     def get(self, key: str) -> float | None:
@@ -89,6 +92,7 @@ class Problem:
 class Controls:
     promote: str | None = None          # annotation graft.dev/promote: step | full
     abort: bool = False                 # annotation graft.dev/abort: "true"
+    resume: bool = False                # annotation graft.dev/resume: ends a pause the controller decided
 
 
 @dataclass(slots=True)

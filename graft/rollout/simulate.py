@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graft.rollout import analysis as judge
-from graft.rollout.decision import ClearPromote, LabelPod, PatchPod, PauseRollout, SetWeight, UnpatchPod
+from graft.rollout.decision import LabelPod, PatchPod, SetWeight, UnpatchPod
 from graft.rollout.machine import analysis_due, decide, known_revision
 from graft.rollout.observation import Controls, Measurement, Observation, PodObservation
 from graft.rollout.queries import CANARY, DIVERGENT, FAILED, Series
@@ -307,7 +307,7 @@ class Simulation:
         down = outage is not None and outage[0] <= now < outage[1]
         for check, series in judge.plan_run(self.spec, self.status, "sim", now):
             if down:
-                out.append(Measurement(check.key, error="Prometheus is unreachable (simulated outage)"))
+                out.append(Measurement(check.key, error="Prometheus is unreachable (simulated outage)", outage=True))
                 continue
             out.append(Measurement(check.key, {s.key: self._value(s, now) for s in series}))
         return out
@@ -371,12 +371,6 @@ class Simulation:
                 self.pods[a.pod].track, self.pods[a.pod].patches = a.track, a.revision
             elif isinstance(a, SetWeight):
                 self.route_weight = a.weight
-            elif isinstance(a, PauseRollout):
-                if not self.spec.paused:
-                    self.spec = dataclasses.replace(self.spec, paused=True)
-                    self.generation += 1
-            elif isinstance(a, ClearPromote):
-                pass
 
     def _tick(self, now: float) -> None:
         measurements = self._measure(now) if analysis_due(self.spec, self.status, now) else None
@@ -400,7 +394,7 @@ class Simulation:
             self.counters.snapshot(now)
             self._tick(now)
             s = self.status
-            if s.phase in FINAL_PHASES or (s.phase == PAUSED and s.pause_generation is not None):
+            if s.phase in FINAL_PHASES or (s.phase == PAUSED and s.pause_conditions):
                 break
         s = self.status
         return Outcome(s.phase, s.reason, now, s.step_index + 1, s.message, [e.reason for e in self.events])

@@ -86,6 +86,7 @@ DEFAULT_CONFIDENCE = 0.95
 DEFAULT_ROLLBACK_CONFIDENCE = 0.999
 DEFAULT_INCONCLUSIVE_LIMIT = 20
 DEFAULT_ERROR_LIMIT = 4
+DEFAULT_OUTAGE_LIMIT = "10m"
 DEFAULT_REVISION_HISTORY_LIMIT = 10   # finished PatchRollouts a PatchFleet keeps (its CRD default)
 # What the CRD defaults (the API server stores these); the checks themselves default in parse_spec,
 # because a rollout that names a template must not also get the default list.
@@ -99,6 +100,7 @@ DEFAULTS: dict[str, Any] = {
         "rollbackConfidence": DEFAULT_ROLLBACK_CONFIDENCE,
         "inconclusiveLimit": DEFAULT_INCONCLUSIVE_LIMIT,
         "errorLimit": DEFAULT_ERROR_LIMIT,
+        "outageLimit": DEFAULT_OUTAGE_LIMIT,
     },
     "progressDeadline": "30m",
     "paused": False,
@@ -133,9 +135,10 @@ class LabelSelector:
     match_expressions: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
 
     def to_query(self) -> str:
-        """The selector as the API server's `labelSelector` parameter."""
+        """The selector as the API server's `labelSelector` parameter; one spelling per meaning
+        (labels, expressions and their values sorted), so it also tells two selectors apart."""
         parts = [f"{k}={v}" for k, v in sorted(self.match_labels.items())]
-        for key, op, values in self.match_expressions:
+        for key, op, values in sorted({(k, o, tuple(sorted(set(v)))) for k, o, v in self.match_expressions}):
             parts.append({"In": f"{key} in ({','.join(values)})",
                           "NotIn": f"{key} notin ({','.join(values)})",
                           "Exists": key, "DoesNotExist": f"!{key}"}[op])
@@ -259,6 +262,7 @@ class Analysis:
     rollback_confidence: float = DEFAULT_ROLLBACK_CONFIDENCE
     inconclusive_limit: int = DEFAULT_INCONCLUSIVE_LIMIT
     error_limit: int = DEFAULT_ERROR_LIMIT
+    outage_limit: float = parse_duration(DEFAULT_OUTAGE_LIMIT)   # seconds; 0: hold for ever
     templates: tuple[tuple[str, bool], ...] = ()          # (name, cluster-scoped) as referenced
 
     @property
@@ -593,7 +597,8 @@ def _steps(r: _Reader, value: Any, path: str) -> tuple[Step, ...]:
 def _analysis(r: _Reader, value: Any, path: str, templates: Templates) -> Analysis:
     d = r.obj(value, path) or {}
     r.known(d, path, ("prometheus", "interval", "breakers", "gates", "templates", "args", "noData",
-                      "confidence", "rollbackConfidence", "inconclusiveLimit", "errorLimit"))
+                      "confidence", "rollbackConfidence", "inconclusiveLimit", "errorLimit",
+                      "outageLimit"))
     source = _prometheus(r, d.get("prometheus"), f"{path}.prometheus")
     interval = r.duration(d, "interval", path)
     if not r.errors_at(f"{path}.interval") and interval < 1:
@@ -605,6 +610,7 @@ def _analysis(r: _Reader, value: Any, path: str, templates: Templates) -> Analys
     rollback_confidence = r.number(d, "rollbackConfidence", path, 0.5, 0.9999)
     inconclusive_limit = r.integer(d, "inconclusiveLimit", path, 0, 1000)
     error_limit = r.integer(d, "errorLimit", path, 0, 1000)
+    outage_limit = r.duration(d, "outageLimit", path) if "outageLimit" in d else parse_duration(DEFAULT_OUTAGE_LIMIT)
     refs = _template_refs(r, d.get("templates"), f"{path}.templates")
     args = _args(r, d.get("args"), f"{path}.args")
 
@@ -660,7 +666,7 @@ def _analysis(r: _Reader, value: Any, path: str, templates: Templates) -> Analys
                     DEFAULT_CONFIDENCE if confidence is None else confidence,
                     DEFAULT_ROLLBACK_CONFIDENCE if rollback_confidence is None else rollback_confidence,
                     DEFAULT_INCONCLUSIVE_LIMIT if inconclusive_limit is None else inconclusive_limit,
-                    DEFAULT_ERROR_LIMIT if error_limit is None else error_limit, tuple(refs))
+                    DEFAULT_ERROR_LIMIT if error_limit is None else error_limit, outage_limit, tuple(refs))
 
 
 def _prometheus(r: _Reader, value: Any, path: str) -> PrometheusSource:

@@ -96,22 +96,32 @@ class AnalysisStatus:
     verdict: str | None = None
     results: list[CheckResult] = field(default_factory=list)
     inconclusive_runs: int = 0         # holding runs in a row since the step's pause ended
-    error_runs: int = 0                # runs in a row the provider failed
+    error_runs: int = 0                # runs in a row the provider failed, outages aside
+    outage_since: float | None = None  # since when Prometheus cannot be reached (the step holds)
+    outage_seconds: float = 0.0        # outage time in this step that ended: the deadline waits for it
+
+    def held_by_outage(self, now: float) -> float:
+        """Seconds this step has held for Prometheus, the outage going on included."""
+        return self.outage_seconds + (now - self.outage_since if self.outage_since is not None else 0.0)
 
     def result(self, name: str, role: str | None = None) -> CheckResult | None:
         return next((r for r in self.results if r.name == name and (role is None or r.role == role)), None)
 
     def to_dict(self) -> dict[str, Any]:
-        return _compact({"lastRun": to_time(self.last_run), "verdict": self.verdict,
-                         "inconclusiveRuns": self.inconclusive_runs, "errorRuns": self.error_runs,
-                         "results": [r.to_dict() for r in self.results]})
+        # outageSince is written when None too: the status is merge-patched, and null clears it
+        return {**_compact({"lastRun": to_time(self.last_run), "verdict": self.verdict,
+                            "inconclusiveRuns": self.inconclusive_runs, "errorRuns": self.error_runs,
+                            "outageSeconds": round(self.outage_seconds, 3),
+                            "results": [r.to_dict() for r in self.results]}),
+                "outageSince": to_time(self.outage_since)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "AnalysisStatus":
         d = d or {}
         return cls(from_time(d.get("lastRun")), d.get("verdict"),
                    [CheckResult.from_dict(r) for r in d.get("results") or []],
-                   int(d.get("inconclusiveRuns") or 0), int(d.get("errorRuns") or 0))
+                   int(d.get("inconclusiveRuns") or 0), int(d.get("errorRuns") or 0),
+                   from_time(d.get("outageSince")), float(d.get("outageSeconds") or 0.0))
 
 
 @dataclass(slots=True)
@@ -131,7 +141,9 @@ class RolloutStatus:
     cause: str = ""                     # why it is rolling back
     full_promotion: bool = False
     observed_generation: int = 0
-    pause_generation: int | None = None # the generation at which the analysis asked for a pause
+    # pauses the controller decided (the analysis could not): kept here, never in spec.paused, so a
+    # GitOps tool's self-heal cannot resume them; the annotation graft.dev/resume ends them
+    pause_conditions: list[dict[str, Any]] = field(default_factory=list)
     fleet: str = ""                     # the PatchFleet this rollout acts on
     stable_patch: str = ""              # an upgrade: the version of the patch the stable side runs
     canary_pods: int = 0                # Ready pods on the canary track
@@ -155,7 +167,7 @@ class RolloutStatus:
             "startedAt": to_time(self.started_at), "stepStartedAt": to_time(self.step_started_at),
             "stepReadyAt": to_time(self.step_ready_at), "endPhase": self.end_phase or None, "cause": self.cause or None,
             "fullPromotion": self.full_promotion, "observedGeneration": self.observed_generation,
-            "pauseGeneration": self.pause_generation, "fleet": self.fleet or None,
+            "pauseConditions": self.pause_conditions or None, "fleet": self.fleet or None,
             "stablePatch": self.stable_patch or None,
             "step": self.step_index + 1, "canaryPods": self.canary_pods, "trafficShare": self.traffic_share,
             "pods": [p.to_dict() for p in self.pods],
@@ -199,7 +211,7 @@ class RolloutStatus:
             step_started_at=from_time(d.get("stepStartedAt")), step_ready_at=from_time(d.get("stepReadyAt")),
             end_phase=d.get("endPhase") or "", cause=d.get("cause") or "", full_promotion=bool(d.get("fullPromotion")),
             observed_generation=int(d.get("observedGeneration") or 0),
-            pause_generation=None if d.get("pauseGeneration") is None else int(d["pauseGeneration"]),
+            pause_conditions=[dict(c) for c in d.get("pauseConditions") or [] if isinstance(c, dict)],
             fleet=d.get("fleet") or "", stable_patch=d.get("stablePatch") or "", canary_pods=int(d.get("canaryPods") or 0),
             traffic_share=float(d.get("trafficShare") or 0.0),
             conditions=[dict(c) for c in d.get("conditions") or []],

@@ -231,3 +231,56 @@ def test_sigterm_ends_the_engine_while_a_bundle_spins(tmp_path, key):
         posting.join(30)
     finally:
         eng.stop(signal.SIGKILL)
+
+
+def delete(eng, name: str) -> tuple[int, float]:
+    """DELETE /admin/patches/NAME: its status and how long it took to answer."""
+    t0 = time.monotonic()
+    with eng.admin() as admin:
+        code = admin.delete(f"/admin/patches/{name}", timeout=60).status_code
+    return code, time.monotonic() - t0
+
+
+def test_a_revert_answers_at_once_while_a_slow_bundle_loads(engine, key):
+    """A rollback's DELETE must not queue behind another apply's bundle load (which once made it
+    miss the operator's call timeout): the revert runs at the next step, the load carries on."""
+    with engine.admin() as admin:
+        assert admin.post("/admin/patches", json={"name": "kv-align", "version": "3.2.1",
+                                                  "source": {"builtin": {}}}).status_code == 200
+    slow = bundle("import time\ntime.sleep(2.5)", name="slow", slot="attention.decode_attention_fast",
+                  point="attention.decode")
+    posting, answer = in_background(lambda: post(engine, request(slow, key, name="slow")))
+    try:
+        time.sleep(0.5)                     # the bundle is importing now
+        code, took = delete(engine, "kv-align")
+        assert code == 200 and took < 1.5, (code, took)
+        assert "kv-align" not in revision(engine)
+        posting.join(60)
+        assert answer["value"].status_code == 200, answer["value"].text   # its self-check ran again on base
+        assert revision(engine) == "slow@1.0.0"
+    finally:
+        posting.join(60)
+        delete(engine, "slow")
+        delete(engine, "kv-align")
+
+
+def test_a_revert_of_a_patch_still_being_applied_calls_the_apply_off(engine, key):
+    """The operator's POST timed out and it reverted: the apply, when its load ends, must not put
+    back what the revert took out."""
+    slow = bundle("import time\ntime.sleep(2.5)", name="late")
+    posting, answer = in_background(lambda: post(engine, request(slow, key, name="late")))
+    try:
+        time.sleep(0.5)
+        code, took = delete(engine, "late")
+        assert code == 404 and took < 1.5, (code, took)     # not applied yet: the operator counts it reverted
+        posting.join(60)
+        r = answer["value"]
+        assert r.status_code == 409 and "was reverted while late@1.0.0 was being applied" in r.text, r.text
+        assert revision(engine) == "base"
+        assert completion(engine) == 200
+        # asked again afterwards, it applies (the bundle is loaded once, kept by its digest)
+        assert post(engine, request(slow, key, name="late")).status_code == 200
+        assert revision(engine) == "late@1.0.0"
+    finally:
+        posting.join(60)
+        delete(engine, "late")

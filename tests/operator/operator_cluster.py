@@ -126,9 +126,25 @@ async def create(cluster, namespace, body):
     return await cluster.kube.create(rollout_path(namespace, "")[:-1], body)
 
 
+class Elsewhere:
+    """A falsy answer that says where the object is instead, so a timed-out wait names the state it
+    was stuck in."""
+
+    def __init__(self, status: dict):
+        self.status = status
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        s = self.status
+        return f"<phase {s.get('phase')!r}, reason {s.get('reason')!r}: {s.get('message')!r}>"
+
+
 async def phase_is(cluster, namespace, name, *phases):
     obj = await get_rollout(cluster.kube, namespace, name)
-    return obj if (obj.get("status") or {}).get("phase") in phases else None
+    status = obj.get("status") or {}
+    return obj if status.get("phase") in phases else Elsewhere(status)
 
 
 async def events_with(cluster, namespace, reason, name="kv-align"):

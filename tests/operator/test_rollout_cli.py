@@ -69,11 +69,25 @@ async def test_status_shows_step_weight_pods_and_metrics_against_thresholds(clus
     assert "3 divergent of 3 compared requests in the rollout so far (100%)" in row and "(lower bound 10%)" in row
 
 
-async def test_pause_and_resume_set_spec_paused(cluster, namespace, rollout):
+async def test_pause_sets_spec_paused_and_resume_clears_it_and_ends_a_controller_pause(cluster, namespace, rollout):
     assert (await cli(rollout, namespace, "pause", "kv-align"))[0] == 0
     assert (await get_rollout(cluster.kube, namespace, "kv-align"))["spec"]["paused"] is True
     assert (await cli(rollout, namespace, "resume", "kv-align"))[0] == 0
-    assert (await get_rollout(cluster.kube, namespace, "kv-align"))["spec"]["paused"] is False
+    obj = await get_rollout(cluster.kube, namespace, "kv-align")
+    assert obj["spec"]["paused"] is False and obj["metadata"]["annotations"]["graft.dev/resume"] == "true"
+
+
+async def test_status_shows_a_controller_pause_and_how_to_end_it(cluster, namespace, rollout):
+    paused = {"phase": "Paused", "reason": "AnalysisOutageLimit",
+              "pauseConditions": [{"reason": "AnalysisOutageLimit", "message": "Prometheus could not be reached",
+                                   "startTime": "2026-01-01T00:10:00.000Z"}]}
+    await cluster.kube.merge_patch(rollout_path(namespace, "kv-align") + "/status", {"status": paused})
+    code, out = await cli(rollout, namespace, "status", "kv-align")
+    assert code == 0
+    line = next(line for line in out.splitlines() if "Paused by" in line)
+    assert "AnalysisOutageLimit since 2026-01-01T00:10:00.000Z" in line and "graft rollout resume kv-align" in line
+    code, out = await cli(rollout, namespace, "resume", "kv-align")
+    assert code == 0 and "ends its AnalysisOutageLimit pause" in out, out
 
 
 @pytest.mark.parametrize("argv,key,value", [

@@ -59,7 +59,7 @@ async def test_a_finished_rollout_is_deleted_its_ttl_after_it_finished(cluster, 
     # when the operator decided, measured from the finish time it read, not from this test's polling
     assert float(re.match(r"deleted ([0-9.]+)s after", event["message"]).group(1)) >= 1.0
     # without a TTL, and within its fleet's default history of ten, a finished rollout stays
-    assert (await phase_is(cluster, namespace, "kept", "RolledBack")) is not None
+    assert await phase_is(cluster, namespace, "kept", "RolledBack")
     assert (await cluster.kube.get(fleet_path(namespace, "llm-engine")))["spec"]["revisionHistoryLimit"] == 10
 
 

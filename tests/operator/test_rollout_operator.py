@@ -84,7 +84,8 @@ async def test_no_traffic_holds_the_first_step_then_pauses(cluster, namespace, f
     assert "no canary requests" in breaker["message"] and "noData: hold" in breaker["message"]
     await until(lambda: events_with(cluster, namespace, "AnalysisInconclusive"), 10)
     obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Paused"), 30, what="an analysis pause")
-    assert obj["status"]["reason"] == "InconclusiveLimit" and obj["spec"]["paused"] is True
+    assert obj["status"]["reason"] == "InconclusiveLimit" and obj["spec"]["paused"] is False
+    assert [c["reason"] for c in obj["status"]["pauseConditions"]] == ["InconclusiveLimit"]
     assert "inconclusiveLimit 4" in obj["status"]["message"] and obj["status"]["stepIndex"] == 0
     await until(lambda: events_with(cluster, namespace, "InconclusiveLimit"), 10)
     assert sum(e.revision != "base" for e in engines) == 1, "held, not rolled back: a person decides"
@@ -196,32 +197,71 @@ async def test_deleting_a_rollout_in_flight_reverts_its_canaries(cluster, namesp
     assert all(e.revision == "base" for e in engines)
 
 
-async def test_prometheus_outage_pauses_at_the_error_limit_and_resume_carries_on(
-        cluster, namespace, fleet, operator, prometheus, tmp_path):
+async def test_a_prometheus_outage_holds_the_step_and_the_rollout_goes_on_by_itself(
+        cluster, namespace, fleet, operator, prometheus):
     engines = await fleet(2)
     await operator()
     await asyncio.to_thread(prometheus.stop)
     try:
         await create(cluster, namespace, manifest(prometheus, steps=[{"weight": 50, "pause": "1s"}, {"weight": 100}]))
-        obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Paused"), 30, what="an analysis pause")
+
+        async def unavailable():
+            obj = await get_rollout(cluster.kube, namespace, "kv-align")
+            return obj if (obj.get("status") or {}).get("reason") == "AnalysisUnavailable" else None
+
+        obj = await until(unavailable, 30, what="the step held for Prometheus")
         status = obj["status"]
-        assert status["reason"] == "AnalysisErrorLimit" and status["stepIndex"] == 0
-        assert obj["spec"]["paused"] is True, "the operator wrote spec.paused"
-        assert status["analysis"]["verdict"] == "Error" and status["analysis"]["errorRuns"] >= 4
+        assert status["phase"] == "Progressing" and status["stepIndex"] == 0 and status["analysis"]["outageSince"]
+        assert "holding until it answers" in status["message"]
         assert all(r["verdict"] == "Error" and f"Prometheus at {prometheus.url} is unreachable" in r["message"]
                    for r in status["analysis"]["results"])
-        events = await until(lambda: events_with(cluster, namespace, "AnalysisErrorLimit"), 10)
-        (limit,) = [e for e in events if e["reason"] == "AnalysisErrorLimit"]
-        assert limit["type"] == "Warning" and "errorLimit 4" in limit["message"]
+        events = await until(lambda: events_with(cluster, namespace, "AnalysisUnavailable"), 10)
+        (held,) = [e for e in events if e["reason"] == "AnalysisUnavailable"]
+        assert held["type"] == "Warning" and "pausing after 10m" in held["message"]
+        await asyncio.sleep(6)            # past errorLimit (4) runs of 1 s: an outage is not a broken check
+        obj = await get_rollout(cluster.kube, namespace, "kv-align")
+        assert obj["status"]["phase"] == "Progressing" and obj["status"]["stepIndex"] == 0
+        assert obj["spec"]["paused"] is False and not obj["status"].get("pauseConditions")
+        assert sum(e.revision != "base" for e in engines) == 1, "held where it was, nothing reverted"
+    finally:
+        await asyncio.to_thread(prometheus.start)
+    obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Promoted", "RolledBack", "Paused"), 60)
+    assert obj["status"]["phase"] == "Promoted", obj["status"]["message"]
+    assert obj["status"]["analysis"].get("outageSince") is None
+    reasons = [e["reason"] for e in await events_of(cluster.kube, namespace, "kv-align")]
+    assert {"AnalysisUnavailable", "AnalysisAvailable", "Promoted"} <= set(reasons)
+    assert "Paused" not in reasons and "Resumed" not in reasons, "nobody had to do anything"
+    assert all(e.revision == "kv-align@3.2.1" for e in engines)
+
+
+async def test_an_outage_past_its_limit_pauses_in_status_and_graft_rollout_resume_ends_it(
+        cluster, namespace, fleet, operator, prometheus, tmp_path):
+    engines = await fleet(2)
+    await operator()
+    await asyncio.to_thread(prometheus.stop)
+    try:
+        body = manifest(prometheus, steps=[{"weight": 50, "pause": "1s"}, {"weight": 100}])
+        body["spec"]["analysis"]["outageLimit"] = "3s"
+        await create(cluster, namespace, body)
+        obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Paused"), 30, what="an outage pause")
+        status = obj["status"]
+        assert status["reason"] == "AnalysisOutageLimit" and status["stepIndex"] == 0
+        assert "(outageLimit 3s)" in status["message"] and "graft.dev/resume" in status["message"]
+        assert [c["reason"] for c in status["pauseConditions"]] == ["AnalysisOutageLimit"]
+        assert obj["spec"]["paused"] is False, "the spec stays as its author wrote it"
         assert sum(e.revision != "base" for e in engines) == 1, "held where it was, nothing reverted"
     finally:
         await asyncio.to_thread(prometheus.start)
     await asyncio.to_thread(prometheus.wait_for_targets, len(engines), 30)
+    await asyncio.sleep(2)
+    assert (await phase_is(cluster, namespace, "kv-align", "Paused")), "back, but a person decides"
     code, out = await rollout_cli(cluster, namespace, tmp_path, "resume", "kv-align")
-    assert code == 0, out
+    assert code == 0 and "ends its AnalysisOutageLimit pause" in out, out
     obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Promoted", "RolledBack"), 60)
-    assert obj["status"]["phase"] == "Promoted" and obj["spec"]["paused"] is False
-    assert "Resumed" in [e["reason"] for e in await events_of(cluster.kube, namespace, "kv-align")]
+    assert obj["status"]["phase"] == "Promoted" and not obj["status"].get("pauseConditions")
+    assert "graft.dev/resume" not in (obj["metadata"].get("annotations") or {}), "the control is consumed"
+    reasons = [e["reason"] for e in await events_of(cluster.kube, namespace, "kv-align")]
+    assert {"AnalysisUnavailable", "AnalysisOutageLimit", "PauseEnded", "Resumed", "Promoted"} <= set(reasons)
     assert all(e.revision == "kv-align@3.2.1" for e in engines)
 
 

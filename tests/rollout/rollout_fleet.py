@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from graft.rollout.decision import (ClearPromote, Decision, LabelPod, PatchPod, PauseRollout, SetWeight,
+from graft.rollout.decision import (ClearPromote, ClearResume, Decision, LabelPod, PatchPod, SetWeight,
                                     UnpatchPod)
 from graft.rollout.machine import decide, known_revision
 from graft.rollout.simulate import MAX_ROUNDS
@@ -57,6 +57,7 @@ class Fleet:
     route_weight: int | None = None
     promote: str | None = None
     abort: bool = False
+    resume: bool = False           # the annotation graft.dev/resume
     problem: Problem | None = None
     posts: dict[str, int] = field(default_factory=dict)
     deletes: dict[str, int] = field(default_factory=dict)
@@ -105,7 +106,7 @@ class Fleet:
                 if obs.error.kind == "unreachable":
                     obs.revision = None         # the answer never came: state unknown
             pods.append(obs)
-        return Observation(pods, measurements, self.route_weight, Controls(self.promote, self.abort),
+        return Observation(pods, measurements, self.route_weight, Controls(self.promote, self.abort, self.resume),
                            self.problem, self.created_at, self.generation)
 
     def execute(self, d: Decision, answered: dict[str, str]) -> dict[str, PodError]:
@@ -133,9 +134,8 @@ class Fleet:
                 self.route_weight = a.weight
             elif isinstance(a, ClearPromote):
                 self.promote = None
-            elif isinstance(a, PauseRollout):
-                self.spec = dataclasses.replace(self.spec, paused=True)
-                self.generation += 1
+            elif isinstance(a, ClearResume):
+                self.resume = False
         return errors
 
     def tick(self, status: RolloutStatus, now: float,
@@ -222,8 +222,15 @@ def no_data(spec: RolloutSpec) -> list[Measurement]:
     return [Measurement(c.key, {}) for c in spec.analysis.checks]
 
 
-def provider_down(spec: RolloutSpec, why: str = "Prometheus is unreachable") -> list[Measurement]:
+def provider_down(spec: RolloutSpec, why: str = "Prometheus refused the query (bad_data: parse error)") -> list[Measurement]:
+    """Every query failed, not for an outage: a check that cannot be judged as written."""
     return [Measurement(c.key, error=why) for c in spec.analysis.checks]
+
+
+def prometheus_down(spec: RolloutSpec, why: str = "Prometheus at http://prometheus:9090 is unreachable") \
+        -> list[Measurement]:
+    """Every query failed to reach Prometheus: an outage, which passes by itself."""
+    return [Measurement(c.key, error=why, outage=True) for c in spec.analysis.checks]
 
 
 def breaching(spec: RolloutSpec, name: str, requests: float = 100_000, role: str | None = None) -> list[Measurement]:

@@ -97,7 +97,7 @@ def test_partial_analysis_gets_the_remaining_defaults_in_both():
     m = manifest(analysis={"interval": "10s", "gates": [{"name": "error-rate-delta", "max": 0.002}]})
     a = stored(m)["spec"]["analysis"]
     assert (a["interval"], a["noData"], a["confidence"], a["rollbackConfidence"]) == ("10s", "hold", 0.95, 0.999)
-    assert (a["inconclusiveLimit"], a["errorLimit"]) == (20, 4)
+    assert (a["inconclusiveLimit"], a["errorLimit"], a["outageLimit"]) == (20, 4, "10m")
     assert parse_spec(stored(m)["spec"]) == parse_spec(m["spec"])
 
 
@@ -114,7 +114,7 @@ VALID = [
                                       "caSecret": {"name": "prom-ca", "key": "ca.crt"},
                                       "headers": [{"name": "X-Scope-OrgID", "value": "llm"}]},
                        "interval": "5s", "noData": "fail", "confidence": 0.9, "rollbackConfidence": 0.99,
-                       "inconclusiveLimit": 0, "errorLimit": 10,
+                       "inconclusiveLimit": 0, "errorLimit": 10, "outageLimit": "0s",
                        "breakers": [{"name": "ttft-p90", "max": 2, "query": QUERY, "consecutive": 2},
                                     {"name": "cpu", "max": 0.9, "dryRun": True},
                                     {"name": "tpot-p99", "maxRatio": 1.3, "max": 0.2, "window": "30s"}],
@@ -167,6 +167,7 @@ INVALID = [
     ("interval spelling", {"analysis": {"interval": "often"}}, "spec.analysis.interval"),
     ("confidence", {"analysis": {"confidence": 0.3}}, "spec.analysis.confidence"),
     ("errorLimit", {"analysis": {"errorLimit": -1}}, "spec.analysis.errorLimit"),
+    ("outageLimit", {"analysis": {"outageLimit": "a while"}}, "spec.analysis.outageLimit"),
     ("address", {"analysis": {"prometheus": {"address": "prometheus:9090"}}}, "spec.analysis.prometheus.address"),
     ("token secret key", {"analysis": {"prometheus": {"bearerTokenSecret": {"name": "t"}}}},
      "spec.analysis.prometheus.bearerTokenSecret.key"),

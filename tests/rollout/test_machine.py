@@ -2,12 +2,13 @@
 import pytest
 from scipy.stats import binom
 
-from graft.rollout.decision import PatchPod, PauseRollout
+from graft.rollout.decision import ClearResume, PatchPod
 from graft.rollout.machine import analysis_due, canary_target, decide
 from graft.rollout.observation import PodError, Problem
 from graft.rollout.status import RolloutStatus
 
-from rollout_fleet import (BASE, Fleet, breaching, healthy, make_spec, no_data, provider_down, with_values)
+from rollout_fleet import (BASE, Fleet, breaching, healthy, make_spec, no_data, prometheus_down, provider_down,
+                           with_values)
 
 
 def drive(fleet, status, start, until, measure=healthy, step=1.0, stop=None):
@@ -172,10 +173,11 @@ def test_no_data_at_all_holds_the_first_step_then_pauses_for_a_person():
     status, now = drive(fleet, RolloutStatus(), 0, 60, measure=no_data,
                         stop=lambda s: s.phase != "Progressing")
     assert status.phase == "Paused" and status.step_index == 0 and status.reason == "InconclusiveLimit"
-    assert fleet.spec.paused, "PauseRollout: the operator wrote spec.paused"
+    assert not fleet.spec.paused, "a controller pause lives in status, the spec stays the author's"
+    assert [c["reason"] for c in status.pause_conditions] == ["InconclusiveLimit"]
     assert "InconclusiveLimit" in fleet.reasons() and "Promoted" not in fleet.reasons()
     event = next(e for e in fleet.events if e.reason == "InconclusiveLimit")
-    assert event.type == "Warning" and "inconclusiveLimit 3" in event.message and "resume or abort" in event.message
+    assert event.type == "Warning" and "inconclusiveLimit 3" in event.message and "graft.dev/resume=true) or abort" in event.message
     assert fleet.patched() == {"pod-0"}, "nothing rolled back: a person decides"
     # nothing moves while paused
     status, _ = drive(fleet, status, now + 1, now + 40, measure=no_data)
@@ -249,17 +251,18 @@ def test_provider_errors_pause_at_the_error_limit_and_a_resume_resets_the_count(
     assert status.step_index == 0, "an Error run never advances a step"
     status = ticks_of(fleet, status, (20,), provider_down)
     assert status.phase == "Paused" and status.reason == "AnalysisErrorLimit"
-    assert fleet.spec.paused and status.pause_generation is not None
+    assert not fleet.spec.paused and [c["reason"] for c in status.pause_conditions] == ["AnalysisErrorLimit"]
     event = next(e for e in fleet.events if e.reason == "AnalysisErrorLimit")
-    assert "4 runs in a row (errorLimit 4)" in event.message and "Prometheus is unreachable" in event.message
+    assert "4 runs in a row (errorLimit 4)" in event.message and "refused the query" in event.message
+    assert "graft.dev/resume" in event.message
     stored = RolloutStatus.from_dict(status.to_dict())
-    assert (stored.pause_generation, stored.analysis.error_runs) == (status.pause_generation, 4)
+    assert (stored.pause_conditions, stored.analysis.error_runs) == (status.pause_conditions, 4)
     status = ticks_of(fleet, stored, (25, 30), provider_down)
-    assert status.phase == "Paused", "still down: still paused"
-    fleet.set_paused(False)                              # graft rollout resume
+    assert status.phase == "Paused", "still failing: still paused"
+    fleet.resume = True                                  # graft rollout resume
     status = fleet.tick(status, 31)
-    assert status.phase == "Progressing" and "Resumed" in fleet.reasons()
-    assert (status.analysis.error_runs, status.analysis.inconclusive_runs, status.pause_generation) == (0, 0, None)
+    assert status.phase == "Progressing" and "Resumed" in fleet.reasons() and not fleet.resume
+    assert (status.analysis.error_runs, status.analysis.inconclusive_runs, status.pause_conditions) == (0, 0, [])
     status = ticks_of(fleet, status, (36, 41, 46), provider_down)
     assert status.phase == "Progressing" and status.analysis.error_runs == 3, "counted from zero again"
     status, _ = drive(fleet, status, 47, 200, stop=lambda s: s.phase == "Promoted")
@@ -274,15 +277,108 @@ def test_error_limit_zero_holds_until_the_deadline_rolls_back():
     assert "analysis Error" in status.message and status.step_index == 0
 
 
-def test_an_analysis_pause_is_asked_for_until_spec_paused_is_seen():
+def test_a_controller_pause_survives_a_gitops_self_heal_and_ends_on_the_resume_annotation():
     spec = make_spec(analysis_errorLimit=1)
     fleet = Fleet.of(spec, 2)
     status = fleet.tick(RolloutStatus(), 0)
-    d = decide(spec, status, fleet.observe(status, {}, provider_down(spec)), 5)
-    assert d.status.phase == "Paused" and PauseRollout() in d.actions
-    # the write of spec.paused has not landed (same generation, paused false): ask again
-    again = decide(spec, d.status, fleet.observe(d.status, {}, None), 6)
-    assert PauseRollout() in again.actions and again.status.phase == "Paused"
+    status = fleet.tick(status, 5, provider_down(spec))
+    assert status.phase == "Paused" and status.reason == "AnalysisErrorLimit"
+    # a GitOps tool re-applies the manifest as written (paused: false, a new generation): still paused
+    fleet.set_paused(False)
+    status, _ = drive(fleet, status, 6, 60)
+    assert status.phase == "Paused" and status.reason == "AnalysisErrorLimit" and "Resumed" not in fleet.reasons()
+    assert fleet.patched() == {"pod-0"}
+    # the user's own pause and the controller's are separate: ending one leaves the other
+    fleet.set_paused(True)
+    fleet.resume = True
+    d = decide(fleet.spec, status, fleet.observe(status, {}, None), 61)
+    assert ClearResume() in d.actions and d.status.pause_conditions == [] and d.status.phase == "Paused"
+    assert "spec.paused still holds it" in next(e.message for e in d.events if e.reason == "PauseEnded")
+    fleet.resume = False
+    fleet.set_paused(False)
+    status, _ = drive(fleet, d.status, 62, 200, stop=lambda s: s.phase == "Promoted")
+    assert status.phase == "Promoted" and fleet.reasons().count("Resumed") == 1
+
+
+def test_a_resume_without_a_pause_is_consumed_and_changes_nothing():
+    spec = make_spec()
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0, healthy(spec))
+    fleet.resume = True
+    status = fleet.tick(status, 1, healthy(spec))
+    assert not fleet.resume and status.phase == "Progressing" and "Resumed" not in fleet.reasons()
+
+
+def test_a_prometheus_outage_holds_the_step_past_its_deadline_and_goes_on_by_itself():
+    spec = make_spec(progressDeadline="30s")             # outageLimit 10m
+    fleet = Fleet.of(spec, 2)
+    status, now = drive(fleet, RolloutStatus(), 0, 30, stop=lambda s: s.step_index == 1 and s.step_ready_at)
+    assert status.step_index == 1
+    stepped = status.step_ready_at
+    status, now = drive(fleet, status, now + 1, now + 300, measure=prometheus_down)
+    assert (status.phase, status.step_index, status.reason) == ("Progressing", 1, "AnalysisUnavailable")
+    assert status.analysis.verdict == "Error" and status.analysis.error_runs == 0
+    assert "Prometheus unreachable for 4m" in status.message and "holding until it answers" in status.message
+    assert status.step_ready_at == stepped, "nothing moved"
+    assert fleet.reasons().count("AnalysisUnavailable") == 1
+    event = next(e for e in fleet.events if e.reason == "AnalysisUnavailable")
+    assert event.type == "Warning" and "is unreachable" in event.message and "pausing after 10m" in event.message
+    stored = RolloutStatus.from_dict(status.to_dict())
+    assert stored.analysis.outage_since == status.analysis.outage_since is not None
+    status, now = drive(fleet, stored, now, now + 120, stop=lambda s: s.phase == "Promoted")
+    assert status.phase == "Promoted", status.message
+    back = next(e for e in fleet.events if e.reason == "AnalysisAvailable")
+    assert "answers again after 5m" in back.message
+    assert "ProgressDeadlineExceeded" not in fleet.reasons() and "Paused" not in fleet.reasons()
+    assert status.analysis.outage_since is None
+
+
+def test_an_outage_counts_towards_the_deadline_only_once_it_ends():
+    spec = make_spec(progressDeadline="30s")
+    fleet = Fleet.of(spec, 2)
+    status, now = drive(fleet, RolloutStatus(), 0, 30, stop=lambda s: s.step_index == 1 and s.step_ready_at)
+    status, now = drive(fleet, status, now + 1, now + 100, measure=prometheus_down)
+    # back, but with no evidence: the deadline runs again, from where the outage stopped it
+    status, _ = drive(fleet, status, now, now + 200, measure=no_data, stop=lambda s: s.phase != "Progressing")
+    assert status.phase == "RolledBack" and status.reason == "ProgressDeadlineExceeded"
+    assert status.analysis.outage_seconds >= 95
+
+
+def test_an_outage_past_the_outage_limit_pauses_for_a_person():
+    spec = make_spec(analysis_outageLimit="2m")
+    fleet = Fleet.of(spec, 2)
+    status = fleet.tick(RolloutStatus(), 0)
+    status, now = drive(fleet, status, 1, 600, measure=prometheus_down, stop=lambda s: s.phase != "Progressing")
+    assert (status.phase, status.reason) == ("Paused", "AnalysisOutageLimit")
+    assert 120 <= now <= 130 and status.step_index == 0
+    assert "could not be reached for 2m" in status.message and "(outageLimit 2m)" in status.message
+    assert [c["reason"] for c in status.pause_conditions] == ["AnalysisOutageLimit"] and not fleet.spec.paused
+    status, now = drive(fleet, status, now + 1, now + 60)           # Prometheus back: a person still decides
+    assert status.phase == "Paused"
+    fleet.resume = True
+    status, _ = drive(fleet, status, now, now + 200, stop=lambda s: s.phase == "Promoted")
+    assert status.phase == "Promoted"
+
+
+def test_an_outage_limit_of_zero_holds_for_ever():
+    spec = make_spec(analysis_outageLimit="0s")
+    fleet = Fleet.of(spec, 2)
+    status, _ = drive(fleet, RolloutStatus(), 0, 4 * 3600, measure=prometheus_down, step=30.0)
+    assert (status.phase, status.reason, status.step_index) == ("Progressing", "AnalysisUnavailable", 0)
+
+
+def test_one_refused_query_among_unreachable_ones_is_an_error_not_an_outage():
+    spec = make_spec()
+    fleet = Fleet.of(spec, 2)
+
+    def mixed(s):
+        out = prometheus_down(s)
+        out[0] = provider_down(s)[0]
+        return out
+
+    status, _ = drive(fleet, RolloutStatus(), 0, 60, measure=mixed, stop=lambda s: s.phase != "Progressing")
+    assert (status.phase, status.reason) == ("Paused", "AnalysisErrorLimit")
+    assert "AnalysisUnavailable" not in fleet.reasons()
 
 
 def test_pause_holds_resume_restarts_the_step_clock():

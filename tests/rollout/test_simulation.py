@@ -26,11 +26,11 @@ FLEETS = [pytest.param(10, False, id="10-pods-pod-ratio"), pytest.param(3, False
           pytest.param(10, True, id="10-pods-gateway"), pytest.param(3, True, id="3-pods-gateway")]
 
 
-def default_spec(gateway: bool):
+def default_spec(gateway: bool, **spec):
     routing = ({"gatewayAPI": {"httpRoute": "llm", "stableService": "llm-stable", "canaryService": "llm-canary"}}
                if gateway else {"podRatio": {}})
     return parse_spec({"selector": {"matchLabels": {"app": "llm-engine"}},
-                       "patch": {"name": "kv-align", "version": "3.2.1"}, "trafficRouting": routing})
+                       "patch": {"name": "kv-align", "version": "3.2.1"}, "trafficRouting": routing, **spec})
 
 
 def run(pods, gateway, traffic=None, regression=None, **scenario):
@@ -225,14 +225,30 @@ def test_a_regression_that_starts_at_a_later_step_is_caught_there():
 
 
 @pytest.mark.parametrize("pods,gateway", FLEETS[:2])
-def test_a_prometheus_outage_never_promotes_and_pauses_after_the_error_limit(pods, gateway):
+def test_a_prometheus_outage_never_promotes_and_pauses_past_the_outage_limit(pods, gateway):
     spec = default_spec(gateway)
     outcomes = simulate(spec, Scenario(pods=pods, gateway=gateway, outage=(0.0, float("inf"))), 5)
     for o in outcomes:
-        assert (o.phase, o.reason) == ("Paused", "AnalysisErrorLimit"), o
-        # the first analysis run is one interval after the canaries took the patch; four runs then fail
-        assert o.seconds <= spec.analysis.interval * (spec.analysis.error_limit + 1) + 10
-        assert "Promoted" not in o.reasons
+        assert (o.phase, o.reason) == ("Paused", "AnalysisOutageLimit"), o
+        # held from the first analysis run (one interval after the canaries took the patch) for
+        # outageLimit, neither rolled back by the progress deadline nor paused sooner
+        assert spec.analysis.outage_limit <= o.seconds <= spec.analysis.interval * 2 + spec.analysis.outage_limit + 10
+        assert "Promoted" not in o.reasons and "RollingBack" not in o.reasons
+        assert o.reasons.count("AnalysisUnavailable") == 1
+
+
+@pytest.mark.parametrize("pods,gateway", FLEETS[:2])
+@pytest.mark.parametrize("start,length", [(0.0, 240.0), (200.0, 500.0), (900.0, 590.0)])
+def test_an_outage_shorter_than_the_limit_passes_by_itself(pods, gateway, start, length):
+    """Prometheus down for minutes at any point: the rollout holds, then promotes on its own; the
+    progress deadline (2m here, below every outage) waits for it."""
+    spec = default_spec(gateway, progressDeadline="2m")
+    outcomes = simulate(spec, Scenario(pods=pods, gateway=gateway, traffic=Traffic(error_rate=0.0001),
+                                       outage=(start, start + length)), 5)
+    for o in outcomes:
+        assert o.phase == "Promoted", o
+        assert o.reasons.count("AnalysisUnavailable") == o.reasons.count("AnalysisAvailable") <= 1
+        assert "Paused" not in o.reasons and "RollingBack" not in o.reasons
 
 
 def test_pod_restarts_do_not_turn_a_neutral_patch_into_a_rollback():

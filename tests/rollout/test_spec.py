@@ -2,10 +2,11 @@
 import copy
 
 import pytest
+from hypothesis import assume, given, settings, strategies as st
 
 from graft.rollout.durations import format_duration, parse_duration, promql_duration
 from graft.api import has_patch, patches_of, revision_of, with_patch, without_patch
-from graft.rollout.spec import (DEFAULT_BREAKERS, DEFAULT_GATES, DEFAULT_STEPS, PrometheusSource, SpecError,
+from graft.rollout.spec import (parse_selector, DEFAULT_BREAKERS, DEFAULT_GATES, DEFAULT_STEPS, PrometheusSource, SpecError,
                                 parse_spec, template_refs, with_defaults)
 
 MINIMAL = {"selector": {"matchLabels": {"app": "llm-engine"}},
@@ -32,7 +33,7 @@ def test_minimal_spec_gets_the_documented_defaults():
     assert s.traffic_routing.kind == "podRatio" and s.patch.source.builtin
     a = s.analysis
     assert (a.interval, a.no_data, a.confidence, a.rollback_confidence) == (30, "hold", 0.95, 0.999)
-    assert (a.inconclusive_limit, a.error_limit, a.templates) == (20, 4, ())
+    assert (a.inconclusive_limit, a.error_limit, a.outage_limit, a.templates) == (20, 4, 600, ())
     # no address: the operator's GRAFT_PROMETHEUS_ADDRESS is used
     assert a.prometheus == PrometheusSource(address="", bearer_token_secret=None, ca_secret=None, headers=())
     assert s.progress_deadline == 1800 and s.paused is False
@@ -234,6 +235,7 @@ def gt(**check):
     ({"analysis": {"confidence": 0.3}}, "spec.analysis.confidence", "at least 0.5"),
     ({"analysis": {"rollbackConfidence": 1}}, "spec.analysis.rollbackConfidence", "0.9999"),
     ({"analysis": {"errorLimit": -1}}, "spec.analysis.errorLimit", "between 0 and 1000"),
+    ({"analysis": {"outageLimit": 600}}, "spec.analysis.outageLimit", "must be a non-empty string"),
     ({"analysis": {"inconclusiveLimit": 1001}}, "spec.analysis.inconclusiveLimit", "between 0 and 1000"),
     ({"analysis": {"breakers": [], "gates": []}}, "spec.analysis", "at least one breaker or gate"),
     ({"analysis": {"prometheus": {"address": "prometheus:9090"}}}, "spec.analysis.prometheus.address",
@@ -293,7 +295,7 @@ def test_every_bad_field_is_reported_at_once():
 def test_selector_query_and_matching():
     s = parse_spec({**MINIMAL, "selector": {"matchLabels": {"app": "llm"}, "matchExpressions": [
         {"key": "tier", "operator": "In", "values": ["gpu", "cpu"]}, {"key": "legacy", "operator": "DoesNotExist"}]}})
-    assert s.selector.to_query() == "app=llm,tier in (gpu,cpu),!legacy"
+    assert s.selector.to_query() == "app=llm,!legacy,tier in (cpu,gpu)"   # one spelling: keys and values sorted
     assert s.selector.matches({"app": "llm", "tier": "gpu"})
     assert not s.selector.matches({"app": "llm", "tier": "tpu"})
     assert not s.selector.matches({"app": "llm", "tier": "gpu", "legacy": "1"})
@@ -330,3 +332,28 @@ def test_revisions():
     assert has_patch("a@2,kv-align@3.2.1", "kv-align@3.2.1") and not has_patch("kv-align@3.2.0", "kv-align@3.2.1")
     assert with_patch("base", "kv@1") == "kv@1" and with_patch("kv@0,z@1", "kv@1") == "kv@1,z@1"
     assert without_patch("kv@1,z@1", "kv@1") == "z@1" and without_patch("kv@1", "kv@1") == "base"
+
+
+_KEYS = st.sampled_from(["app", "zone", "tier", "graft.dev/track"])
+_VALUES = st.lists(st.sampled_from(["a", "b", "llm", "gpu-1"]), min_size=1, max_size=3)
+_EXPRESSIONS = st.lists(st.one_of(
+    st.builds(lambda k, v: {"key": k, "operator": "In", "values": v}, _KEYS, _VALUES),
+    st.builds(lambda k, v: {"key": k, "operator": "NotIn", "values": v}, _KEYS, _VALUES),
+    st.builds(lambda k: {"key": k, "operator": "Exists"}, _KEYS),
+    st.builds(lambda k: {"key": k, "operator": "DoesNotExist"}, _KEYS)), max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(labels=st.dictionaries(_KEYS, st.sampled_from(["a", "llm"]), max_size=2), expressions=_EXPRESSIONS,
+       pod=st.dictionaries(_KEYS, st.sampled_from(["a", "b", "llm", "gpu-1"]), max_size=4), data=st.data())
+def test_a_selector_has_one_spelling_whatever_the_order_of_its_expressions_and_values(labels, expressions, pod,
+                                                                                      data):
+    """Fleets are told apart by their selector's query: the same selector written in another order
+    is the same fleet, and the query picks the pods the selector matches."""
+    assume(labels or expressions)          # an empty selector is refused
+    shuffled = [{**e, **({"values": data.draw(st.permutations(e["values"]))} if "values" in e else {})}
+                for e in data.draw(st.permutations(expressions))]
+    one = parse_selector({"matchLabels": labels, "matchExpressions": expressions})
+    other = parse_selector({"matchLabels": dict(reversed(list(labels.items()))), "matchExpressions": shuffled})
+    assert one.to_query() == other.to_query()
+    assert one.matches(pod) == other.matches(pod)

@@ -22,8 +22,12 @@ The manager keeps no engine state of its own: what is applied lives in the engin
 (its `patches`, beside the table and the revision they make), which the step loop replaces whole
 through `engine.swap()`. The manager reaches the engine only through `swap()`, `probe()`,
 `preempt_running()`, `between_steps()`, its metrics, and the engine handed to a patch's `migrate`.
-One change runs at a time (the manager's lock); should the engine's state change between the
-pieces of a self-check all the same, the self-check starts again on the new state.
+One apply runs at a time (the manager's lock). A revert takes no lock: it is the way out, and must
+not wait behind a bundle's load or another patch's self-check (a DELETE once waited 12 s behind an
+apply, past the operator's call timeout). It swaps the patch out at the next step; a self-check
+under way then finds the engine's state changed and starts again on the new one, and an apply of
+the very patch being reverted (arrived before the revert, still loading or checking) is called
+off with 409 instead of putting back what was just taken out.
 """
 from __future__ import annotations
 
@@ -321,7 +325,7 @@ class _Pieces:
 
 
 class PatchManager:
-    """The engine's applied patches, and the only way to change them (one change at a time).
+    """The engine's applied patches, and the only way to change them (one apply at a time; a revert never waits).
 
     `verifier` decides which bundles may run; `bundle_timeout` bounds, in seconds, each run of
     bundle code outside the step loop (its import, `configure`, `migrate`).
@@ -334,6 +338,7 @@ class PatchManager:
         self.verifier = verifier or BundleVerifier([])
         self.bundle_timeout = bundle_timeout
         self._lock = asyncio.Lock()
+        self._reverts: dict[str, int] = {}          # name -> reverts asked for: calls off applies begun before
         self._bundles: dict[str, list[Patch]] = {}  # digest -> the patches of a bundle loaded once
         self._references: OrderedDict[str, torch.Tensor] = OrderedDict()  # revision -> its probe logits
         self.faults: deque[dict[str, Any]] = deque(maxlen=16)   # patches taken out for a failing slot
@@ -446,7 +451,9 @@ class PatchManager:
         did not ask for a swap never gets one.
         """
         self._loop = asyncio.get_running_loop()
+        asked = self._reverts.get(name, 0)
         async with self._lock:
+            self._still_wanted(name, version, asked)
             digest = self.admit(name, version, source)
             current = self.applied.get(name)
             if current is not None:  # answered before any code of the request runs
@@ -461,11 +468,12 @@ class PatchManager:
                      for s in a.slots if s in slots}
             if clash:
                 raise PatchError(409, f"{patch.id} replaces patch points already patched: {clash}")
+            self._still_wanted(name, version, asked)
             await self._migrate(patch, current)
             try:
-                applied, verdict, figures = await self._check_and_swap(patch, slots, config or {}, current)
+                applied, verdict, figures, current = await self._check_and_swap(patch, slots, config or {}, asked)
             except Exception:
-                await self._unmigrate(patch, keep=current)
+                await self._unmigrate(patch, keep=self.applied.get(name))
                 raise
             if verdict is not None:
                 await self._unmigrate(patch, keep=current)
@@ -484,21 +492,34 @@ class PatchManager:
             return {"revision": self.revision, "applyMs": round(applied.apply_ms, 3),
                     "verifyMs": round(applied.verify_ms, 3), "changed": True, "selfCheck": figures.describe()}
 
+    def _still_wanted(self, name: str, version: str, asked: int) -> None:
+        """PatchError 409 when `name` was reverted after this apply of it arrived."""
+        if self._reverts.get(name, 0) != asked:
+            raise PatchError(409, f"{name} was reverted while {name}@{version} was being applied: not applied")
+
     async def revert(self, name: str) -> dict[str, Any]:
-        async with self._lock:
-            current = self.applied.get(name)
-            if current is None:
-                raise PatchError(404, f"no patch named {name} is applied")
-            # a stuck step loop never runs it: answer within the engine's stall timeout instead
-            limit = self.engine.config.stall_timeout
-            future = self.engine.call_between_steps(lambda: self._swap_out(current))
-            try:
-                ms = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit)
-            except asyncio.TimeoutError:
-                raise PatchError(503, f"the step loop did not come round within {limit:g}s to revert {name} "
-                                      f"({self.engine.health() or 'it is busy'}); the revert runs when it does") from None
-            await self._unmigrate(current.patch)
-            return {"revision": self.revision, "applyMs": round(ms, 3), "changed": True}
+        """Take `name` out at the next step, without waiting for an apply under way (see the module)."""
+        self._reverts[name] = self._reverts.get(name, 0) + 1
+        current = self.applied.get(name)
+        if current is None:
+            raise PatchError(404, f"no patch named {name} is applied")
+        # a stuck step loop never runs it: answer within the engine's stall timeout instead
+        limit = self.engine.config.stall_timeout
+        future = self.engine.call_between_steps(lambda: self._swap_out_named(name))
+        try:
+            ms = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit)
+        except asyncio.TimeoutError:
+            raise PatchError(503, f"the step loop did not come round within {limit:g}s to revert {name} "
+                                  f"({self.engine.health() or 'it is busy'}); the revert runs when it does") from None
+        if ms is None:      # taken out between the two (another revert, a slot fault): nothing left to do
+            return {"revision": self.revision, "applyMs": 0.0, "changed": False}
+        await self._unmigrate(current.patch)
+        return {"revision": self.revision, "applyMs": round(ms, 3), "changed": True}
+
+    def _swap_out_named(self, name: str) -> float | None:
+        """Step loop side of a revert: the patch applied under `name` now, if any, goes out."""
+        applied = self.applied.get(name)
+        return None if applied is None else self._swap_out(applied)
 
     def _slot_fault(self, slot: str, error: BaseException) -> bool:
         """The engine's `on_slot_fault` (step loop, between steps): a slot of an applied patch failed
@@ -610,8 +631,10 @@ class PatchManager:
             held -= self._references.popitem(last=False)[1].nbytes
 
     async def _check_and_swap(self, patch: Patch, slots: Mapping[str, Any], config: Mapping[str, Any],
-                              current: Applied | None) -> tuple[Applied, str | None, ProbeFigures | None]:
-        """Self-check `patch` (with `current`, the applied version of its name, out), then swap it in.
+                              asked: int) -> tuple[Applied, str | None, ProbeFigures | None, Applied | None]:
+        """Self-check `patch` (with the applied version of its name, if any, out), then swap it in;
+        also returns that version (what the swap took out). Each attempt starts from the engine's
+        state as it is then: a revert during one changes it.
 
         The probe runs piece by piece while requests keep stepping on the current table; the
         tentative table is installed only by the last piece, once the verdict is clean, and nothing
@@ -619,15 +642,18 @@ class PatchManager:
         record, the verdict (None: applied) and the figures (None when the probe itself raised).
         """
         for _ in range(STATE_RETRIES):
+            self._still_wanted(patch.name, patch.version, asked)
+            state = self.engine.state
+            current = state.patches.get(patch.name)
             try:
-                return await self._attempt(patch, slots, config, current, self.engine.state)
+                return (*await self._attempt(patch, slots, config, current, state, asked), current)
             except _StateChanged:
                 log.info("the engine's state changed during the self-check of %s: starting it again", patch.id)
         raise PatchError(409, f"the engine's state changed during each of {STATE_RETRIES} self-checks of "
                               f"{patch.id}; try again")
 
     async def _attempt(self, patch: Patch, slots: Mapping[str, Any], config: Mapping[str, Any],
-                       current: Applied | None, state: EngineState):
+                       current: Applied | None, state: EngineState, asked: int):
         engine = self.engine
         applied = Applied(patch, slots, "", 0.0, 0.0, config)
         tentative = self._state({**state.patches, patch.name: applied})   # `current` goes out in the same stroke
@@ -653,19 +679,21 @@ class PatchManager:
             figures.longest_pause_ms = pieces.longest
         if verdict is not None:   # no step ran on the new table: its KV entries are the old table's
             return applied, verdict, figures
-        await pieces.run(lambda: self._commit(tentative, applied, current, after))
+        await pieces.run(lambda: self._commit(tentative, applied, current, after, asked))
         figures.longest_pause_ms, figures.pieces = pieces.longest, len(pieces.pauses)
         applied.self_check = MappingProxyType(figures.describe())
         return applied, None, figures
 
     # the step loop side
     def _commit(self, tentative: EngineState, applied: Applied, current: Applied | None,
-                after: torch.Tensor) -> None:
+                after: torch.Tensor, asked: int) -> None:
         """Install `tentative`, its patch's metrics and its probe logits (the piece checked that the
-        engine still runs the state `tentative` was built on)."""
+        engine still runs the state `tentative` was built on, and this checks that no revert of the
+        patch came since the apply arrived)."""
         engine = self.engine
         t0 = time.perf_counter()
         patch = applied.patch
+        self._still_wanted(patch.name, patch.version, asked)
         if not patch.live_switch or (current is not None and not current.patch.live_switch):
             engine.preempt_running()
         applied.applied_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
