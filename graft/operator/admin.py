@@ -51,6 +51,24 @@ class AdminClient:
         """The engine's current revision (GET /admin/patches)."""
         return _revision(await self._call("GET", host, port, "/admin/patches"), "GET /admin/patches")
 
+    async def state(self, host: str, port: int) -> tuple[str, tuple[str, ...]]:
+        """The engine's revision and its `awaiting` start-up entries (bundles named by GRAFT_PATCHES
+        that only the operator can apply again; the engine is not ready until it has, or has
+        reverted them): GET /admin/patches, both checked at the edge."""
+        answer = await self._call("GET", host, port, "/admin/patches")
+        revision = _revision(answer, "GET /admin/patches")
+        awaiting = answer.get("awaiting") or []
+        if not isinstance(awaiting, list) or not all(isinstance(r, str) for r in awaiting):
+            raise AdminError(BAD_ANSWER, f"GET /admin/patches: the engine answered awaiting {awaiting!r:.120}, "
+                                         "not a list of name@version")
+        try:
+            for ref in awaiting:
+                parse_revision(ref)
+        except ValueError as e:
+            raise AdminError(BAD_ANSWER, f"GET /admin/patches: the engine answered awaiting {awaiting!r:.120}: {e}") \
+                from None
+        return revision, tuple(awaiting)
+
     async def apply(self, host: str, port: int, name: str, version: str, source: dict[str, Any],
                     config: dict[str, Any] | None = None, replace: bool = False) -> str:
         """Apply a patch (POST /admin/patches); returns the new revision.

@@ -86,10 +86,16 @@ class FleetResult:
 
 
 def _containers_running(pod: dict[str, Any]) -> bool:
+    """The engine container is up: ready, or started and running though its readiness probe fails
+    (an engine waiting for a bundle answers /ready 503 until the operator applies it again)."""
     status = pod.get("status") or {}
     conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
-    return (status.get("phase") == "Running" and bool(status.get("podIP"))
-            and (conditions.get("ContainersReady") == "True" or conditions.get("Ready") == "True"))
+    if status.get("phase") != "Running" or not status.get("podIP"):
+        return False
+    if conditions.get("ContainersReady") == "True" or conditions.get("Ready") == "True":
+        return True
+    statuses = status.get("containerStatuses") or []
+    return bool(statuses) and all(cs.get("started") and "running" in (cs.get("state") or {}) for cs in statuses)
 
 
 def _patched(pod: dict[str, Any]) -> bool | None:
@@ -247,7 +253,7 @@ async def _observe(runtime: Runtime, admin, pod: dict[str, Any]) -> FleetPod:
         if address is None:
             fp.error = "no pod IP yet"
             return fp
-        fp.revision = await admin.revision(*address)
+        fp.revision, fp.awaiting = await admin.state(*address)
     except (AdminError, podsmod.AddressError) as e:
         fp.error = str(e)
     return fp

@@ -12,6 +12,12 @@ was not Ready while a rollout acted):
 3. once the engine answers with the fleet's revision, the pod's readiness gate condition
    `graft.dev/patched` is set True: with the gate declared, the pod takes no traffic before then.
 
+A restarted engine whose `GRAFT_PATCHES` names a bundle's patch waits for it, not ready (the engine
+keeps no code it was sent; its `awaiting` entries): the fleet's version of it is applied again,
+and any other awaited entry (a canary's patch from a rollout, which the pod rejoins without) is
+reverted, which lets the engine in without it. Nothing else would: the rollout acts on Ready pods
+only, and such an engine never turns ready by itself.
+
 While a rollout is active on the fleet, the patch it rolls out belongs to it: the fleet controller
 neither applies nor reverts that patch (by name) on any pod, and leaves the Ready pods' labels to
 the rollout; everything else still converges. `converge` is pure: the operator observes, calls it,
@@ -73,6 +79,7 @@ class FleetPod:
     patched: bool | None = None          # condition graft.dev/patched
     revision: str | None = None
     error: str | None = None
+    awaiting: tuple[str, ...] = ()       # start-up entries from a bundle the engine waits for (not ready)
 
 
 @dataclass(slots=True)
@@ -108,7 +115,7 @@ def converge(patches: list[PatchSpec] | tuple[PatchSpec, ...], pods: list[FleetP
         if pod.revision is None:
             plan.pending[pod.name] = pod.error or "the engine did not answer"
             continue
-        step = _next_step(wanted, pod, rollout_patch)
+        step = _next_step(wanted, pod, rollout_patch) or _awaited(patches, pod)
         if step is not None:
             plan.actions.append(step)
             plan.pending[pod.name] = (f"applying {step.patch.ref}" if isinstance(step, ApplyPatch)
@@ -130,6 +137,21 @@ def _next_step(wanted: dict[str, PatchSpec], pod: FleetPod, rollout_patch: str |
     for name in sorted(running):
         if name not in wanted and name != rollout_patch:
             return RevertPatch(pod.name, name)
+    return None
+
+
+def _awaited(patches: list[PatchSpec] | tuple[PatchSpec, ...], pod: FleetPod) -> FleetAction | None:
+    """What a not-ready engine waiting for start-up bundle entries needs: the fleet's version
+    applied again, or the entry reverted (the engine then stops waiting for it)."""
+    if pod.ready:
+        return None
+    fleet = {p.ref: p for p in patches}
+    for ref in pod.awaiting:
+        if ref in patches_of(pod.revision or ""):
+            continue
+        if ref in fleet:
+            return ApplyPatch(pod.name, fleet[ref])
+        return RevertPatch(pod.name, ref.partition("@")[0])
     return None
 
 

@@ -35,7 +35,8 @@ from graft.operator.pods import is_ready
 from graft.rollout.fleet import PATCHED_CONDITION
 from graft.rollout.queries import COMPARED, DIVERGENT, Context, shadow_query
 from graft.api import BASE, FINAL_PHASES, patches_of
-from tests.e2e.fleet import DEPLOYMENT, ClientLoad, Fleet, Recorder
+from tests.e2e.fleet import DEPLOYMENT, GROUP_VERSION, ClientLoad, Fleet, Recorder
+from tests.support import ROOT
 from tests.e2e.fleet_support import (FLEET, PODS, GatedFleet, GateWatch, condition, converged, fleet_refs, gate_open,
                                      kubectl, marks, open_gated_fleet, patch_fleet, rollout_manifest,
                                      set_fleet_patches, until_phase)
@@ -347,3 +348,159 @@ async def test_revert_takes_a_promoted_patch_out_of_every_pod_and_the_fleet(flee
     await fleet.wait_for(lambda: converged(fleet, BASE, PODS), 30, "every pod at base")
     await asyncio.sleep(3)          # and the fleet controller leaves them so
     assert await converged(fleet, BASE, PODS)
+
+
+BUNDLE = "short-first@1.0.0"
+
+
+def bundle_objects(fleet: Fleet) -> tuple[dict[str, Any], dict[str, Any]]:
+    """examples/rollout-bundle.yaml in the fleet's namespace: the ConfigMap of short-first@1.0.0
+    (a scheduling policy) and its patch source, as the example pins it."""
+    import yaml
+    config_map, example = yaml.safe_load_all((ROOT / "examples" / "rollout-bundle.yaml").read_text())
+    config_map["metadata"]["namespace"] = fleet.namespace
+    return config_map, example["spec"]["patch"]["source"]
+
+
+async def test_a_promoted_bundle_survives_its_engine_being_killed(fleet: Fleet, traffic: ClientLoad):
+    """A bundle rollout promoted over the fleet; one pod's engine process killed. It restarts with
+    GRAFT_PATCHES naming the bundle, which only the operator can hand back: the engine waits, not
+    ready, the fleet controller applies the bundle again, and the pod turns Ready running it. At no
+    time is it Ready without the bundle, and its new engine serves no request on base."""
+    local = fleet.require_local("killing an engine process")
+    assert local.pods is not None
+    config_map, source = bundle_objects(fleet)
+    await fleet.apply(config_map)
+    ro = rollout_manifest(fleet, f"bundle-{RUN}", BUNDLE)
+    ro["spec"]["patch"]["source"] = source
+    name = ro["metadata"]["name"]
+    await fleet.apply(ro)
+    st = (await until_phase(fleet, name, FINAL_PHASES, TIMEOUT))["status"]
+    assert st["phase"] == "Promoted", st.get("message")
+    assert fleet_refs(await patch_fleet(fleet)) == [BUNDLE]
+    await fleet.wait_for(lambda: converged(fleet, BUNDLE, PODS), 30, f"every pod at {BUNDLE}")
+
+    victim = sorted(p["metadata"]["name"] for p in await fleet.pods())[0]
+    before = (await fleet.pod(victim))["status"]["containerStatuses"][0]
+    local.pods.kill(victim)
+    killed = time.time()
+    samples: list[tuple[float, bool, str | None]] = []      # the victim: (t, Ready, engine revision)
+
+    async def back() -> dict[str, Any] | None:
+        fleet.check_operator()
+        pod = await fleet.pod(victim)
+        cs = pod["status"]["containerStatuses"][0]
+        restarted = cs["restartCount"] == before["restartCount"] + 1
+        running = restarted and (condition(pod, "ContainersReady") or {}).get("status") == "True"
+        revision = await fleet.engine_revision(pod) if running or restarted else None
+        samples.append((time.time(), is_ready(pod), revision))
+        return pod if restarted and is_ready(pod) and revision == BUNDLE else None
+    pod = await fleet.wait_for(back, START_TIMEOUT, f"{victim} back, Ready, running {BUNDLE}", interval=0.2)
+    came_back = time.time()
+
+    assert pod["status"]["containerStatuses"][0]["containerID"] != before["containerID"]
+    assert local.pods.containers[victim].env_snapshot.get("GRAFT_PATCHES") == BUNDLE
+    unready_bundle = [s for s in samples if s[1] and s[2] != BUNDLE and s[2] is not None]
+    assert not unready_bundle, f"{victim} was Ready without {BUNDLE}: {unready_bundle[:3]}"
+    assert any(not ready and revision == BASE for _, ready, revision in samples), \
+        "the new engine was never seen waiting for its bundle"
+    patches = await fleet.engine_patches(pod)
+    applied = [(a["name"], a["version"], a["digest"]) for a in patches["applied"]]
+    assert applied == [("short-first", "1.0.0", source["digest"])], applied
+    assert await fleet.engine_metric(pod, "graft_requests_total", revision=BASE) == 0, "it served base"
+    assert await fleet.engine_metric(pod, "graft_requests_total", revision=BUNDLE) >= 0
+    await fleet.wait_for(lambda: converged(fleet, BUNDLE, PODS), 30, f"every pod at {BUNDLE} again")
+    reached = [o for o in traffic.stats.outcomes if o.pod == victim and killed + 1 < o.at < came_back - 0.5]
+    assert not reached, f"client requests reached {victim} while it waited: {reached[:3]}"
+    print(f"{victim} back, Ready with {BUNDLE}, {came_back - killed:.1f}s after the kill; "
+          f"revisions seen: {sorted({s[2] for s in samples if s[2]})}")
+
+
+async def test_an_infinite_breaker_pauses_its_rollout_within_a_minute_and_delete_completes(fleet: Fleet):
+    """A custom breaker answering +Inf (`vector(1) / 0`) is no number to judge: the rollout pauses
+    for a person within a minute, saying so, and `kubectl delete` of it completes with the canary
+    reverted (a status write that raised on Inf once wedged the rollout and its finaliser)."""
+    ro = rollout_manifest(fleet, f"inf-{RUN}", KV, steps=[{"weight": 50, "pause": "2s"}, {"weight": 100}])
+    ro["spec"]["analysis"]["breakers"] = [{"name": "queue-ratio", "max": 1, "window": "10s", "query": "vector(1) / 0"}]
+    name = ro["metadata"]["name"]
+    started = time.time()
+    await fleet.apply(ro)
+    obj = await until_phase(fleet, name, ("Paused", *FINAL_PHASES), 60)
+    took = time.time() - started
+    st = obj["status"]
+    assert (st["phase"], st["reason"]) == ("Paused", "AnalysisErrorLimit"), st.get("message")
+    assert [c["reason"] for c in st["pauseConditions"]] == ["AnalysisErrorLimit"] and obj["spec"]["paused"] is False
+    (result,) = st["analysis"]["results"]
+    assert result["verdict"] == "Error" and "not a finite number" in result["message"], result
+    await fleet.delete_rollout(name)
+    fleet.rollouts.remove(name)
+    await fleet.wait_for(lambda: converged(fleet, BASE, PODS), 60, "the canary reverted")
+    print(f"paused {took:.1f}s after the apply: {st['message']}")
+
+
+async def test_a_template_deleted_mid_rollout_holds_saying_why_and_delete_completes(fleet: Fleet):
+    template = f"checks-{RUN}"
+    path = f"/apis/{GROUP_VERSION}/namespaces/{fleet.namespace}/patchanalysistemplates"
+    reply = await fleet.api.post(path, json={
+        "apiVersion": GROUP_VERSION, "kind": "PatchAnalysisTemplate", "metadata": {"name": template},
+        "spec": {"breakers": [{"name": "error-rate", "max": 0.5, "window": "10s"}]}})
+    assert reply.status_code == 201, reply.text
+    ro = rollout_manifest(fleet, f"tpl-{RUN}", KV, steps=[{"weight": 50, "pause": "5m"}, {"weight": 100}])
+    ro["spec"]["analysis"] = {"interval": "2s", "noData": "pass", "templates": [{"name": template}]}
+    name = ro["metadata"]["name"]
+    await fleet.apply(ro)
+
+    async def canary_in_place() -> dict[str, Any] | None:
+        st = ((await fleet.rollout(name)) or {}).get("status") or {}
+        return st if st.get("phase") == "Progressing" and st.get("weight") == 50 and st.get("stepReadyAt") else None
+    await fleet.wait_for(canary_in_place, TIMEOUT, "the 50% step in place")
+    assert (await fleet.api.delete(f"{path}/{template}")).status_code == 200
+
+    async def says_why() -> dict[str, Any] | None:
+        ro = await fleet.rollout(name)
+        st = (ro or {}).get("status") or {}
+        return ro if "holding until it is fixed" in st.get("message", "") else None
+    held = await fleet.wait_for(says_why, 60, f"{name} to say its template is gone")
+    assert held["status"]["phase"] == "Progressing"
+    assert f"analysis template {template!r} was not found" in held["status"]["message"], held["status"]["message"]
+    assert {c["type"] for c in held["status"]["conditions"]} >= {"Progressing", "Completed"}
+    t0 = time.time()
+    await fleet.delete_rollout(name)          # kubectl delete: the finaliser reverts the canary and lets go
+    fleet.rollouts.remove(name)
+    await fleet.wait_for(lambda: converged(fleet, BASE, PODS), 60, "the canary reverted")
+    print(f"held on its invalid spec; deleted and reverted in {time.time() - t0:.1f}s")
+
+
+async def test_a_rollout_over_part_of_the_fleet_holds_while_the_fleet_promotes(fleet: Fleet):
+    """Two rollouts whose selectors overlap (app=llm-engine, and app=llm-engine,zone=a over one of
+    its pods): the second holds, Pending with reason FleetOverlap, the first promotes undisturbed,
+    and no second PatchFleet appears to revert its patch as drift."""
+    victim = sorted(p["metadata"]["name"] for p in await fleet.pods())[0]
+    pod_path = f"/api/v1/namespaces/{fleet.namespace}/pods/{victim}"
+    merge = {"content-type": "application/merge-patch+json"}
+    (await fleet.api.patch(pod_path, json={"metadata": {"labels": {"zone": "a"}}}, headers=merge)).raise_for_status()
+    try:
+        first = rollout_manifest(fleet, f"whole-{RUN}", KV, steps=[{"weight": 50, "pause": "6s"}, {"weight": 100}])
+        part = rollout_manifest(fleet, f"part-{RUN}", "sync-free@3.2.1")
+        part["spec"]["selector"]["matchLabels"]["zone"] = "a"
+        pods = {p["metadata"]["name"] for p in await fleet.pods()}
+        async with GateWatch(fleet) as watch:
+            await fleet.apply(first)
+            await until_phase(fleet, first["metadata"]["name"], ("Progressing",), TIMEOUT)
+            await fleet.apply(part)
+
+            async def held() -> dict[str, Any] | None:
+                ro = await fleet.rollout(part["metadata"]["name"])
+                return ro if ((ro or {}).get("status") or {}).get("reason") == "FleetOverlap" else None
+            hold = (await fleet.wait_for(held, 30, "the overlapping rollout to hold"))["status"]
+            done = await until_phase(fleet, first["metadata"]["name"], FINAL_PHASES, TIMEOUT)
+        assert done["status"]["phase"] == "Promoted", done["status"].get("message")
+        assert hold["phase"] == "Pending" and f"PatchFleet {FLEET}" in hold["message"] and victim in hold["message"]
+        assert watch.closed(pods) == [], watch.closed(pods)[:5]
+        assert fleet_refs(await patch_fleet(fleet)) == [KV]
+        items = (await fleet.api.get(f"/apis/{GROUP_VERSION}/namespaces/{fleet.namespace}/patchfleets")).json()["items"]
+        assert [f["metadata"]["name"] for f in items] == [FLEET], "no second fleet"
+        await fleet.wait_for(lambda: converged(fleet, KV, PODS), 30, f"every pod at {KV}")
+        assert ((await fleet.rollout(part["metadata"]["name"]))["status"]).get("phase") == "Pending"
+    finally:
+        await fleet.api.patch(pod_path, json={"metadata": {"labels": {"zone": None}}}, headers=merge)

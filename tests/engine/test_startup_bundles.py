@@ -56,12 +56,32 @@ def test_an_engine_restarted_with_a_bundle_in_graft_patches_waits_for_it_out_of_
         assert eng.proc.poll() is None                        # up, not crash-looping
 
         with eng.admin() as admin:
+            assert admin.get("/admin/patches").json()["awaiting"] == ["my-bundle@1.0.0"]   # what the operator reads
             r = admin.post("/admin/patches", json={"name": "my-bundle", "version": "1.0.0",
                                                    "source": {"module": BUNDLE, "digest": digest_of(BUNDLE)}})
             assert r.status_code == 200, r.text
             assert r.json()["revision"] == "my-bundle@1.0.0,sync-free@3.2.1"
         ready = _wait(eng.url + "/ready", lambda r: r.status_code == 200, timeout=10)
         assert ready.json()["revision"] == "my-bundle@1.0.0,sync-free@3.2.1"
+        with eng.admin() as admin:
+            assert admin.get("/admin/patches").json()["awaiting"] == []
+    finally:
+        eng.stop()
+
+
+def test_a_revert_of_an_awaited_bundle_lets_the_engine_in_without_it(tmp_path):
+    """The rollout that patched this pod rolled back while it restarted: the operator wants it
+    without the bundle and reverts it; the engine (which never ran it) turns ready at once."""
+    eng = start_engine(tmp_path, "--allow-unsigned-bundles", wait=False, env={"GRAFT_PATCHES": "my-bundle@1.0.0"})
+    try:
+        _wait(eng.url + "/health", lambda r: r.status_code == 200)
+        assert httpx.get(eng.url + "/ready", timeout=5).status_code == 503
+        with eng.admin() as admin:
+            r = admin.delete("/admin/patches/my-bundle")
+            assert r.status_code == 404, r.text                 # it never ran: nothing to take out
+            assert admin.get("/admin/patches").json()["awaiting"] == []
+        ready = _wait(eng.url + "/ready", lambda r: r.status_code == 200, timeout=10)
+        assert ready.json()["revision"] == "base"
     finally:
         eng.stop()
 

@@ -54,6 +54,38 @@ def test_an_active_rollout_keeps_its_patch_and_its_ready_pods():
     assert plan.actions[0] == MarkPod("new", "stable", "kv-align@3.2.1")
 
 
+BUNDLE = PatchSpec("short-first", "1.0.0", PatchSource(builtin=False, config_map="short-first", key="bundle.py",
+                                                     digest="sha256:" + "0" * 64))
+
+
+def test_a_restarted_engine_waiting_for_the_fleets_bundle_gets_it_back():
+    waiting = pod("a", "base", patches="short-first@1.0.0", ready=False, awaiting=("short-first@1.0.0",))
+    plan = converge([BUNDLE], [waiting])
+    assert ApplyPatch("a", BUNDLE) in plan.actions and "a" in plan.pending
+    # during an upgrade of that very patch the rollout owns its name, but a restarted stable pod
+    # still needs the fleet's version back: nobody else would apply it (the pod is not Ready)
+    plan = converge([BUNDLE], [waiting], rollout_patch="short-first")
+    assert ApplyPatch("a", BUNDLE) in plan.actions
+
+
+def test_an_awaited_entry_the_fleet_does_not_hold_is_reverted_so_the_engine_stops_waiting():
+    # a canary of a bundle rollout restarted, and the fleet (which never promoted it) takes it back
+    waiting = pod("c", "base", patches="short-first@1.0.0", track="canary", ready=False,
+                  awaiting=("short-first@1.0.0",))
+    plan = converge([], [waiting], rollout_patch="short-first")
+    assert plan.actions[0] == MarkPod("c", "stable", "base")
+    assert RevertPatch("c", "short-first") in plan.actions
+    # once the engine stopped waiting, the pod is converged at base
+    done = converge([], [pod("c", "base", ready=False)], rollout_patch="short-first")
+    assert done.converged == ["c"]
+
+
+def test_a_ready_pod_is_never_taken_for_waiting():
+    plan = converge([KV], [pod("r", "kv-align@3.2.1", awaiting=("short-first@1.0.0",), patched=True)],
+                    rollout_patch="short-first")
+    assert plan.converged == ["r"] and not any(isinstance(a, (ApplyPatch, RevertPatch)) for a in plan.actions)
+
+
 def test_promotion_replaces_the_same_patch_and_keeps_the_others():
     kv2 = PatchSpec("kv-align", "3.2.2", PatchSource(builtin=True))
     assert [p.ref for p in with_promoted([KV, SYNC], kv2)] == ["kv-align@3.2.2", "sync-free@3.2.1"]

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from graft.engine.patches import registry
-from graft.api import revision_of
+from graft.api import has_patch, revision_of
 from graft.engine.patches.base import Patch, PatchError, parse_patch_list
 from graft.engine.patches.bundle import BundleVerifier, describe
 from graft.engine.patches.loading import load_checked, run_guarded
@@ -362,7 +362,14 @@ class PatchManager:
                                "slots": sorted(p.slots), "liveSwitch": p.live_switch}
                               for p in sorted(self.available.values(), key=lambda p: p.id)],
                 "shadow": self.engine.shadow.describe(),
-                "faults": list(self.faults)}
+                "faults": list(self.faults),
+                # start-up entries (GRAFT_PATCHES) from a bundle, not applied again yet: /ready is 503
+                "awaiting": [ref for ref in self.engine.awaiting if not has_patch(state.revision, ref)]}
+
+    def _settled(self, name: str) -> None:
+        """The operator has decided about `name` (applied a version of it, or reverted it): a
+        start-up entry of that name no longer holds /ready."""
+        self.engine.awaiting = tuple(ref for ref in self.engine.awaiting if ref.partition("@")[0] != name)
 
     # resolution
     def admit(self, name: str, version: str, source: Mapping[str, Any]) -> str:
@@ -489,6 +496,7 @@ class PatchManager:
             else:
                 log.info("applied %s in %.2f ms (self-check %.1f ms, longest pause %.1f ms: %s)", patch.id,
                          applied.apply_ms, applied.verify_ms, figures.longest_pause_ms, figures.words())
+            self._settled(name)
             return {"revision": self.revision, "applyMs": round(applied.apply_ms, 3),
                     "verifyMs": round(applied.verify_ms, 3), "changed": True, "selfCheck": figures.describe()}
 
@@ -500,6 +508,7 @@ class PatchManager:
     async def revert(self, name: str) -> dict[str, Any]:
         """Take `name` out at the next step, without waiting for an apply under way (see the module)."""
         self._reverts[name] = self._reverts.get(name, 0) + 1
+        self._settled(name)       # a restarted pod the operator wants without it: ready without it
         current = self.applied.get(name)
         if current is None:
             raise PatchError(404, f"no patch named {name} is applied")
