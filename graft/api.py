@@ -7,10 +7,12 @@ applied). It imports neither torch nor kopf, so any process may use it.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 # -- the custom resources --------------------------------------------------------------------------
 
@@ -73,6 +75,13 @@ BASE = "base"
 def digest_of(source: str) -> str:
     """The pinned digest of a bundle's source, as a rollout's `spec.patch.digest` writes it."""
     return DIGEST_PREFIX + hashlib.sha256(source.encode("utf-8")).hexdigest()
+
+
+def config_digest(config: Mapping[str, Any] | None) -> str:
+    """The digest of a patch's `config` (canonical JSON: sorted keys, no spaces; none is `{}`): how
+    an engine's answer and a PatchFleet tell one config of the same `name@version` from another."""
+    text = json.dumps(dict(config or {}), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return DIGEST_PREFIX + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True, slots=True, order=True)

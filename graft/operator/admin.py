@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -29,6 +29,13 @@ class AdminError(Exception):
     def __init__(self, kind: str, message: str, status: int | None = None):
         super().__init__(message)
         self.kind, self.message, self.status = kind, message, status
+
+
+class EngineAnswer(NamedTuple):
+    """What `GET /admin/patches` says that the operator acts on."""
+    revision: str
+    awaiting: tuple[str, ...] = ()
+    configs: dict[str, str] = {}          # patch name -> config digest (an engine that says none: {})
 
 
 class AdminClient:
@@ -51,12 +58,18 @@ class AdminClient:
         """The engine's current revision (GET /admin/patches)."""
         return _revision(await self._call("GET", host, port, "/admin/patches"), "GET /admin/patches")
 
-    async def state(self, host: str, port: int) -> tuple[str, tuple[str, ...]]:
-        """The engine's revision and its `awaiting` start-up entries (bundles named by GRAFT_PATCHES
+    async def state(self, host: str, port: int) -> EngineAnswer:
+        """The engine's revision, its `awaiting` start-up entries (bundles named by GRAFT_PATCHES
         that only the operator can apply again; the engine is not ready until it has, or has
-        reverted them): GET /admin/patches, both checked at the edge."""
+        reverted them) and each applied patch's config digest: GET /admin/patches, checked at the edge."""
         answer = await self._call("GET", host, port, "/admin/patches")
         revision = _revision(answer, "GET /admin/patches")
+        configs = {}
+        applied = answer.get("applied")
+        for entry in applied if isinstance(applied, list) else []:
+            if isinstance(entry, dict) and isinstance(entry.get("name"), str) \
+                    and isinstance(entry.get("configDigest"), str):
+                configs[entry["name"]] = entry["configDigest"]
         awaiting = answer.get("awaiting") or []
         if not isinstance(awaiting, list) or not all(isinstance(r, str) for r in awaiting):
             raise AdminError(BAD_ANSWER, f"GET /admin/patches: the engine answered awaiting {awaiting!r:.120}, "
@@ -67,7 +80,7 @@ class AdminClient:
         except ValueError as e:
             raise AdminError(BAD_ANSWER, f"GET /admin/patches: the engine answered awaiting {awaiting!r:.120}: {e}") \
                 from None
-        return revision, tuple(awaiting)
+        return EngineAnswer(revision, tuple(awaiting), configs)
 
     async def apply(self, host: str, port: int, name: str, version: str, source: dict[str, Any],
                     config: dict[str, Any] | None = None, replace: bool = False) -> str:

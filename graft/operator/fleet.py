@@ -253,7 +253,7 @@ async def _observe(runtime: Runtime, admin, pod: dict[str, Any]) -> FleetPod:
         if address is None:
             fp.error = "no pod IP yet"
             return fp
-        fp.revision, fp.awaiting = await admin.state(*address)
+        fp.revision, fp.awaiting, fp.configs = await admin.state(*address)
     except (AdminError, podsmod.AddressError) as e:
         fp.error = str(e)
     return fp

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graft.api import patch_ref, patches_of, revision_of
+from graft.api import config_digest, patch_ref, patches_of, revision_of
 from graft.rollout.spec import PatchSpec
 
 PATCHED_CONDITION = "graft.dev/patched"
@@ -80,6 +80,7 @@ class FleetPod:
     revision: str | None = None
     error: str | None = None
     awaiting: tuple[str, ...] = ()       # start-up entries from a bundle the engine waits for (not ready)
+    configs: dict[str, str] = field(default_factory=dict)   # applied patch name -> its config digest
 
 
 @dataclass(slots=True)
@@ -133,6 +134,10 @@ def _next_step(wanted: dict[str, PatchSpec], pod: FleetPod, rollout_patch: str |
     running = {ref.partition("@")[0]: ref for ref in patches_of(pod.revision or "")}
     for name, patch in sorted(wanted.items()):
         if running.get(name) != patch.ref:
+            return ApplyPatch(pod.name, patch)
+        # the right version with another config (a restart brought a built-in back with its defaults:
+        # GRAFT_PATCHES names versions only): swapped for the fleet's config
+        if pod.configs.get(name, config_digest(patch.config)) != config_digest(patch.config):
             return ApplyPatch(pod.name, patch)
     for name in sorted(running):
         if name not in wanted and name != rollout_patch:

@@ -149,6 +149,11 @@ TRANSITION_CASES = [
     ("is immutable: create a new PatchRollout for another patch", "spec.patch.source",
      {"patch": {"source": {"builtin": None, **SOURCE_MAP}}}),
     ("is immutable: create a new PatchRollout to undo a patch", "spec.action", {"action": "revert"}),
+    # a config edited mid-rollout would reach only the pods patched after it, under the same revision
+    ("is immutable (its config too): create a new PatchRollout for another patch or config", "spec.patch",
+     {"patch": {"config": {"errorRate": 0.5}}}),
+    ("is immutable: the pods a rollout acts on are chosen when it is created; create a new PatchRollout",
+     "spec.selector", {"selector": {"matchLabels": {"app": "other"}}}),
 ]
 
 
@@ -183,8 +188,8 @@ async def test_patchrollout_transition_rules_compare_with_the_old_object(http, m
     assert (await call(http, "POST", ROLLOUTS, rollout()))[0] == 201
     status, refused = await call(http, "PATCH", f"{ROLLOUTS}/r1", {"spec": change})
     assert status == 422
-    assert (field, f'Invalid value: "{"object" if field.endswith("source") else "string"}": {message}') in causes(
-        refused)
+    kind = "object" if field.rpartition(".")[2] in ("source", "patch", "selector") else "string"
+    assert (field, f'Invalid value: "{kind}": {message}') in causes(refused)
     status, paused = await call(http, "PATCH", f"{ROLLOUTS}/r1", {"spec": {"paused": True}})  # old == new: passes
     assert status == 200 and paused["spec"]["paused"] is True
     status, replaced = await call(http, "PUT", f"{ROLLOUTS}/r1", {**paused, "spec": {**paused["spec"], "paused": False}})

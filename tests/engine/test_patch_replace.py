@@ -250,3 +250,29 @@ def test_the_listing_always_names_the_revision_its_patches_make(engine):
             listings += 1
     swapper.join()
     assert {f"kv-align@{OLD}", f"kv-align@{NEW}"} <= seen, f"{listings} listings saw the swaps happen"
+
+
+def config_digest_of(eng, name: str) -> str:
+    with eng.admin() as admin:
+        listing = admin.get("/admin/patches").json()
+    return next(a["configDigest"] for a in listing["applied"] if a["name"] == name)
+
+
+def test_another_config_of_an_applied_patch_is_a_replace_never_dropped(engine):
+    """The same name@version with another config is not the same patch: without `replace` it is a
+    409 (it used to be answered `changed: false`, the new config dropped), with `replace` it is
+    swapped in, and the listing's config digest says which config runs."""
+    from graft.api import config_digest
+
+    calm, noisy = {"errorRate": 0.0}, {"errorRate": 0.5}
+    assert post(engine, "1", name="fault", config=calm).status_code == 200
+    assert config_digest_of(engine, "fault") == config_digest(calm)
+    again = post(engine, "1", name="fault", config={"errorRate": 0.0})
+    assert again.status_code == 200 and again.json()["changed"] is False
+    refused = post(engine, "1", name="fault", config=noisy)
+    assert refused.status_code == 409 and "another config" in refused.text, refused.text
+    assert config_digest_of(engine, "fault") == config_digest(calm)
+    swapped = post(engine, "1", name="fault", config=noisy, replace=True)
+    assert swapped.status_code == 200 and swapped.json()["changed"] is True, swapped.text
+    assert config_digest_of(engine, "fault") == config_digest(noisy)
+    assert applied(engine) == ("fault@1", [("fault", "1")])

@@ -86,6 +86,20 @@ def test_a_ready_pod_is_never_taken_for_waiting():
     assert plan.converged == ["r"] and not any(isinstance(a, (ApplyPatch, RevertPatch)) for a in plan.actions)
 
 
+def test_the_right_version_with_another_config_is_swapped_for_the_fleets():
+    from graft.api import config_digest
+
+    noisy = PatchSpec("fault", "1", PatchSource(builtin=True), config={"errorRate": 0.5})
+    # a restart brought it back with its defaults: GRAFT_PATCHES names versions, not configs
+    restarted = pod("a", "fault@1", configs={"fault": config_digest({})}, patched=True)
+    plan = converge([noisy], [restarted])
+    assert ApplyPatch("a", noisy) in plan.actions and "a" in plan.pending
+    right = pod("a", "fault@1", configs={"fault": config_digest({"errorRate": 0.5})}, patched=True)
+    assert converge([noisy], [right]).converged == ["a"]
+    # an engine that reports no config digest is taken at its revision
+    assert converge([noisy], [pod("a", "fault@1", patched=True)]).converged == ["a"]
+
+
 def test_promotion_replaces_the_same_patch_and_keeps_the_others():
     kv2 = PatchSpec("kv-align", "3.2.2", PatchSource(builtin=True))
     assert [p.ref for p in with_promoted([KV, SYNC], kv2)] == ["kv-align@3.2.2", "sync-free@3.2.1"]

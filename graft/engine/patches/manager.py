@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from graft.engine.patches import registry
-from graft.api import has_patch, revision_of
+from graft.api import config_digest, has_patch, revision_of
 from graft.engine.patches.base import Patch, PatchError, parse_patch_list
 from graft.engine.patches.bundle import BundleVerifier, describe
 from graft.engine.patches.loading import load_checked, run_guarded
@@ -75,6 +75,7 @@ class Applied:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.patch.name, "version": self.patch.version, "digest": self.patch.digest,
+                "configDigest": config_digest(self.config),
                 "appliedAt": self.applied_at, "applyMs": round(self.apply_ms, 3),
                 "verifyMs": round(self.verify_ms, 3), "selfCheck": dict(self.self_check)}
 
@@ -464,8 +465,12 @@ class PatchManager:
             digest = self.admit(name, version, source)
             current = self.applied.get(name)
             if current is not None:  # answered before any code of the request runs
-                if current.patch.version == version and current.patch.digest == digest:
+                same_code = current.patch.version == version and current.patch.digest == digest
+                if same_code and config_digest(current.config) == config_digest(config):
                     return {"revision": self.revision, "applyMs": 0.0, "changed": False}
+                if same_code and not replace:
+                    raise PatchError(409, f"{current.patch.id} is applied with another config; apply it with "
+                                          "\"replace\": true to swap the new config in atomically")
                 if not replace:
                     raise PatchError(409, f"{current.patch.id} is applied; apply {name}@{version} with "
                                           f"\"replace\": true to swap it in atomically (or revert {name} first)")
