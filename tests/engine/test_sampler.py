@@ -121,3 +121,46 @@ def test_without_top_k_or_top_p_nothing_is_sorted_and_the_draw_is_the_same(sampl
     assert calls == []
     keeps_all = draws(SamplingParams(temperature=0.8, top_p=0.999))
     assert calls and plain == keeps_all and set(plain) == {0, 1, 2, 3}
+
+
+def _seeded(seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["base-sampler", "patched-sampler"])
+def test_a_failed_batch_rewinds_the_seeded_generators_so_each_row_gets_its_own_tokens(patched):
+    """A sampler that draws from every row's generator and then raises: the batch is sampled again
+    (row by row, or by the base sampler under a patch) from the generators as they were, so a
+    seeded request gets the very tokens it would have had without the failure."""
+    from graft.engine.engine import GuardedSampler
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(temperature=0.9, seed=s) for s in (11, 12, 13, 14)]
+    expected = sample_batched(logits, params, _seeded((11, 12, 13, 14)))
+
+    def draws_then_raises(logits, params, generators):
+        for gen in generators:
+            torch.rand(8, generator=gen)          # the generators moved on...
+        raise RuntimeError("broken after drawing")   # ...and the batch failed
+
+    if patched:
+        guarded = GuardedSampler(draws_then_raises, vocab_size=50, fallback=sample_batched)
+    else:
+        guarded = GuardedSampler(sample_batched, vocab_size=50)
+        real = guarded.sampler
+        calls = []
+
+        def first_call_fails(logits, params, generators):
+            calls.append(len(params))
+            if len(calls) == 1:
+                return draws_then_raises(logits, params, generators)
+            return real(logits, params, generators)
+        guarded.sampler = first_call_fails
+    tokens = guarded(logits, params, _seeded((11, 12, 13, 14)))
+    assert tokens == expected
+    # and the generators are left where a clean batch leaves them: the next step agrees too
+    clean, rerun = _seeded((11, 12, 13, 14)), _seeded((11, 12, 13, 14))
+    sample_batched(logits, params, clean)
+    guarded(logits, params, rerun)
+    assert [g.get_state().tolist() == c.get_state().tolist() for g, c in zip(rerun, clean)] == [True] * 4

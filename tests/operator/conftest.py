@@ -114,11 +114,11 @@ async def fleet(cluster, namespace, prometheus, needs_fake_pods):
     """`await fleet(n)` starts n fake engines, each behind a Pod, all scraped by Prometheus."""
     engines: list[FakeEngine] = []
 
-    async def make(n: int, **engine_kwargs) -> list[FakeEngine]:
+    async def make(n: int, gated: bool = False, **engine_kwargs) -> list[FakeEngine]:
         for _ in range(n):
             engine = await FakeEngine(f"127.0.0.{len(engines) + 2}", TOKEN, **engine_kwargs).start()
             engines.append(engine)
-            await create_pod(cluster.kube, namespace, f"engine-{len(engines) - 1}", engine)
+            await create_pod(cluster.kube, namespace, f"engine-{len(engines) - 1}", engine, gated=gated)
         prometheus.set_targets([(e.address, {"namespace": namespace}) for e in engines])
         # Prometheus hands new targets to its scrapers up to 5 s later: until then a rollout's checks
         # would see no traffic at all, and a breaker without data holds nothing

@@ -56,22 +56,27 @@ class OperatorHandle:
             raise self.error
 
 
-async def create_pod(kube: Kube, namespace: str, name: str, engine: FakeEngine) -> None:
+async def create_pod(kube: Kube, namespace: str, name: str, engine: FakeEngine, gated: bool = False) -> None:
+    """A pod for `engine`; `gated`: it declares the readiness gate graft.dev/patched and, as kubelet
+    would have it with the gate's condition not set, runs with its containers ready but is not Ready."""
     await kube.create(pods_path(namespace), {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "labels": {"app": "llm-engine"}},
         "spec": {"containers": [{"name": "engine", "image": "graft:dev",
                                  "ports": [{"name": "http", "containerPort": 8000},
-                                           {"name": "admin", "containerPort": engine.port}]}]},
+                                           {"name": "admin", "containerPort": engine.port}]}],
+                 **({"readinessGates": [{"conditionType": "graft.dev/patched"}]} if gated else {})},
     })
-    await set_pod_status(kube, namespace, name, engine)
+    await set_pod_status(kube, namespace, name, engine, ready=not gated)
 
 
-async def set_pod_status(kube: Kube, namespace: str, name: str, engine: FakeEngine) -> None:
-    """Play the kubelet: the pod runs, is ready, and its container is the engine's current process."""
+async def set_pod_status(kube: Kube, namespace: str, name: str, engine: FakeEngine, ready: bool = True) -> None:
+    """Play the kubelet: the pod runs, is ready (unless held by its gate), and its container is the
+    engine's current process."""
     await kube.merge_patch(pods_path(namespace, name) + "/status", {"status": {
         "phase": "Running", "podIP": engine.host,
-        "conditions": [{"type": "Ready", "status": "True"}],
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False"},
+                       {"type": "ContainersReady", "status": "True"}],
         "containerStatuses": [{"name": "engine", "ready": True, "restartCount": engine.generation,
                                "containerID": f"containerd://{name}-{engine.generation}",
                                "image": "graft:dev", "imageID": "graft@sha256:0"}]}})

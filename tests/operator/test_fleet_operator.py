@@ -244,3 +244,26 @@ async def test_a_younger_fleet_over_pods_of_another_acts_on_none_of_them(cluster
     assert condition(older, "Converged")["status"] == "True", "the older fleet goes on as before"
     events = [e for e in await events_of(cluster.kube, namespace, "zone-a") if e["reason"] == "FleetOverlap"]
     assert len(events) == 1 and events[0]["type"] == "Warning"
+
+
+async def test_gated_pods_whose_engines_disagree_get_no_fleet_until_they_agree(cluster, namespace, fleet, operator,
+                                                                               prometheus):
+    """Pods behind the readiness gate with no PatchFleet yet: a rollout creates the fleet, adopting
+    what the engines run, only when they all run the same; adopting one of two revisions would
+    revert the other pod's patch as drift."""
+    engines = await fleet(2, gated=True)
+    engines[1].applied = {"sync-free": "3.2.1"}          # set by hand, say, before any fleet existed
+    await operator()
+    await create(cluster, namespace, manifest(prometheus))
+    held = await until(lambda: _reason_is(cluster, namespace, "kv-align", "NoPods"), 30, what="the rollout to wait")
+    assert held["status"]["phase"] == "Pending"
+    await asyncio.sleep(3)
+    assert await fleets(cluster, namespace) == [], "no fleet adopted one of two revisions"
+    assert [e.applied for e in engines] == [{}, {"sync-free": "3.2.1"}] and sum(e.deletes for e in engines) == 0
+
+    engines[1].applied = {}                               # now both run base
+    (pfl,) = await until(lambda: fleets(cluster, namespace), 30, what="the fleet, once the engines agree")
+    assert pfl["spec"].get("patches") in ([], None), "it adopted base, what both run"
+    for i in range(2):
+        await until(lambda: _pod_with_condition(cluster, namespace, f"engine-{i}"), 30,
+                    what=f"the gate of engine-{i} opened")
