@@ -36,6 +36,7 @@ class EngineAnswer(NamedTuple):
     revision: str
     awaiting: tuple[str, ...] = ()
     configs: dict[str, str] = {}          # patch name -> config digest (an engine that says none: {})
+    digests: dict[str, str] = {}          # patch name -> code digest ("builtin" for a built-in)
 
 
 class AdminClient:
@@ -64,12 +65,15 @@ class AdminClient:
         reverted them) and each applied patch's config digest: GET /admin/patches, checked at the edge."""
         answer = await self._call("GET", host, port, "/admin/patches")
         revision = _revision(answer, "GET /admin/patches")
-        configs = {}
+        configs, digests = {}, {}
         applied = answer.get("applied")
         for entry in applied if isinstance(applied, list) else []:
-            if isinstance(entry, dict) and isinstance(entry.get("name"), str) \
-                    and isinstance(entry.get("configDigest"), str):
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                continue
+            if isinstance(entry.get("configDigest"), str):
                 configs[entry["name"]] = entry["configDigest"]
+            if isinstance(entry.get("digest"), str):
+                digests[entry["name"]] = entry["digest"]
         awaiting = answer.get("awaiting") or []
         if not isinstance(awaiting, list) or not all(isinstance(r, str) for r in awaiting):
             raise AdminError(BAD_ANSWER, f"GET /admin/patches: the engine answered awaiting {awaiting!r:.120}, "
@@ -80,7 +84,7 @@ class AdminClient:
         except ValueError as e:
             raise AdminError(BAD_ANSWER, f"GET /admin/patches: the engine answered awaiting {awaiting!r:.120}: {e}") \
                 from None
-        return EngineAnswer(revision, tuple(awaiting), configs)
+        return EngineAnswer(revision, tuple(awaiting), configs, digests)
 
     async def apply(self, host: str, port: int, name: str, version: str, source: dict[str, Any],
                     config: dict[str, Any] | None = None, replace: bool = False) -> str:

@@ -253,7 +253,8 @@ async def _observe(runtime: Runtime, admin, pod: dict[str, Any]) -> FleetPod:
         if address is None:
             fp.error = "no pod IP yet"
             return fp
-        fp.revision, fp.awaiting, fp.configs = await admin.state(*address)
+        answer = await admin.state(*address)
+        fp.revision, fp.awaiting, fp.configs, fp.digests = answer.revision, answer.awaiting, answer.configs, answer.digests
     except (AdminError, podsmod.AddressError) as e:
         fp.error = str(e)
     return fp

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graft.operator import pods as podsmod
-from graft.operator.admin import AdminClient, AdminError
+from graft.operator.admin import AdminClient, AdminError, EngineAnswer
 from graft.operator.bundles import load_source
 from graft.operator.kube import cluster_template_path, fleet_path, rollout_path, template_path
 from graft.operator.pods import AddressError, NoPodIP
@@ -29,7 +29,7 @@ from graft.rollout.decision import (Action, ClearPromote, ClearResume, Event, La
 from graft.rollout.machine import QUEUED, analysis_due, decide, known_revision
 from graft.rollout.observation import (UNREACHABLE, Controls, Measurement, Observation, PodError,
                                        PodObservation, Problem)
-from graft.api import FINAL_PHASES, patches_of
+from graft.api import FINAL_PHASES, has_patch, patches_of
 from graft.rollout.spec import (REVERT, PatchSource, PatchSpec, RolloutSpec, SpecError, parse_fleet_spec, parse_spec,
                                 template_refs)
 from graft.rollout.status import (FAILED, PAUSED, PENDING, PROGRESSING, ROLLING_BACK, RolloutStatus,
@@ -37,6 +37,7 @@ from graft.rollout.status import (FAILED, PAUSED, PENDING, PROGRESSING, ROLLING_
 
 PROMOTE_ANNOTATION = "graft.dev/promote"
 RESUME_ANNOTATION = "graft.dev/resume"
+VERSION_REUSED = "VersionReused"         # an engine runs this name@version from other code
 ABORT_ANNOTATION = "graft.dev/abort"
 MAX_ROUNDS = 5
 ACTIVE = (PROGRESSING, PAUSED, ROLLING_BACK)
@@ -232,6 +233,7 @@ class Reconciliation:
         self.pods = {p["metadata"]["name"]: p for p in raw}
         observed = [podsmod.observe_pod(p) for p in raw]
         await asyncio.gather(*(self.revision(status, pod, admin) for pod in observed))
+        problem = problem or self.problem         # what the engines' answers showed (check_code)
         route_weight = None
         try:
             route_weight = await self.router.get_weight()
@@ -251,10 +253,29 @@ class Reconciliation:
         if pod.revision is not None or not pod.ready or admin is None or pod.error is not None:
             return
         try:
-            pod.revision = await admin.revision(*self.address(pod.name))
+            answer = await admin.state(*self.address(pod.name))
+            pod.revision = answer.revision
             self.runtime.unauthorized.pop(f"{self.namespace}/{pod.name}", None)
         except (AdminError, AddressError) as e:
             pod.error = self.pod_error(pod.name, e)
+            return
+        self.check_code(pod.name, answer)
+
+    def check_code(self, pod: str, answer: EngineAnswer) -> None:
+        """One `name@version` names one code: an engine that runs this rollout's name@version from a
+        bundle of another digest (a re-packed bundle under the same version) would be taken for
+        patched, and its metrics for the canary's; the rollout stops there instead (VersionReused)."""
+        patch = self.spec.patch
+        pinned = patch.source.digest
+        running = answer.digests.get(patch.name)
+        if self.spec.action == REVERT or pinned is None or running is None \
+                or not has_patch(answer.revision, patch.ref) or running.lower() == pinned.lower():
+            return
+        self.problem = self.problem or Problem(
+            VERSION_REUSED, f"pod {pod} runs {patch.ref} from a bundle of digest {running}, but this rollout "
+                            f"pins {pinned}: one name@version must name one code (the revision, its metrics "
+                            "and every pod's state say which version runs); give the re-packed bundle a new "
+                            "version", permanent=True)
 
     def address(self, pod: str) -> tuple[str, int]:
         """The pod's admin address; AddressError when it has no IP yet or a malformed annotation."""

@@ -81,6 +81,7 @@ class FleetPod:
     error: str | None = None
     awaiting: tuple[str, ...] = ()       # start-up entries from a bundle the engine waits for (not ready)
     configs: dict[str, str] = field(default_factory=dict)   # applied patch name -> its config digest
+    digests: dict[str, str] = field(default_factory=dict)   # applied patch name -> its code digest
 
 
 @dataclass(slots=True)
@@ -138,6 +139,10 @@ def _next_step(wanted: dict[str, PatchSpec], pod: FleetPod, rollout_patch: str |
         # the right version with another config (a restart brought a built-in back with its defaults:
         # GRAFT_PATCHES names versions only): swapped for the fleet's config
         if pod.configs.get(name, config_digest(patch.config)) != config_digest(patch.config):
+            return ApplyPatch(pod.name, patch)
+        # the right version from other code (a bundle re-packed under the same version): the fleet's
+        pinned = patch.source.digest
+        if pinned and pod.digests.get(name, pinned).lower() != pinned.lower():
             return ApplyPatch(pod.name, patch)
     for name in sorted(running):
         if name not in wanted and name != rollout_patch:

@@ -82,6 +82,7 @@ def test_gpu_checklist_template_is_the_documented_one():
         "breaker/ttft-p99": ("ttft-p99", 0.8, None, "30s", 1),
         "breaker/error-rate": ("error-rate", 0.005, None, "60s", 3),
         "breaker/cpu": ("cpu", 0.92, None, "120s", 1),
+        "breaker/output-divergence": ("output-divergence", 0.05, None, "rollout", 1),
         "gate/success-rate": ("success-rate", None, 0.9995, "60s", None),
         "gate/error-rate-delta": ("error-rate-delta", 0.001, None, "step", None),
     }

@@ -49,6 +49,7 @@ class FakeEngine:
         self.sums: dict[str, float] = {}
         self.cpu = 0.0
         self.bundles: list[dict] = []      # bundle sources received
+        self.digests: dict[str, str] = {}  # name -> the digest of the code applied ("builtin" by default)
         self._last = time.monotonic()
         self._runner: web.AppRunner | None = None
 
@@ -102,7 +103,7 @@ class FakeEngine:
         if (denied := self._authorized(request)) is not None:
             return denied
         return web.json_response({"revision": self.revision, "applied": [
-            {"name": n, "version": v, "digest": "builtin"} for n, v in sorted(self.applied.items())],
+            {"name": n, "version": v, "digest": self.digests.get(n, "builtin")} for n, v in sorted(self.applied.items())],
             "available": [{"name": a.split("@")[0], "version": a.split("@")[1]} for a in self.available]})
 
     async def _apply(self, request: web.Request) -> web.Response:
@@ -123,9 +124,15 @@ class FakeEngine:
             return _error(404, f"no built-in patch {name}@{version}")
         if name in self.applied and self.applied[name] != version and not body.get("replace"):
             return _error(409, f"{name}@{self.applied[name]} is applied; replace it with replace: true")
-        self.replaced += name in self.applied and self.applied[name] != version
+        digest = source.get("digest", "builtin") if "module" in source else "builtin"
+        if name in self.applied and self.applied[name] == version and self.digests.get(name, "builtin") != digest \
+                and not body.get("replace"):
+            return _error(409, f"{name}@{version} is applied from other code; replace it with replace: true")
+        self.replaced += name in self.applied and (self.applied[name] != version
+                                                   or self.digests.get(name, "builtin") != digest)
         self._advance()
         self.applied[name] = version
+        self.digests[name] = digest
         return web.json_response({"revision": self.revision, "applyMs": 0.4, "changed": True})
 
     async def _revert(self, request: web.Request) -> web.Response:
@@ -137,6 +144,7 @@ class FakeEngine:
             return _error(404, f"no patch named {name} is applied")
         self._advance()
         del self.applied[name]
+        self.digests.pop(name, None)
         return web.json_response({"revision": self.revision, "applyMs": 0.3, "changed": True})
 
     # metrics

@@ -160,3 +160,27 @@ async def test_gateway_api_without_the_route_says_so(cluster, namespace, fleet, 
     obj = await until(explained, 20)
     assert obj["status"]["phase"] == "Pending"
     assert obj["status"]["message"] == f"HTTPRoute {namespace}/missing not found"
+
+
+async def test_a_bundle_re_packed_under_an_applied_version_fails_the_rollout_before_any_pod(
+        cluster, namespace, fleet, operator, prometheus):
+    """The pods run kv-align@3.2.1 from one bundle; a rollout pins another bundle under the same
+    version. Taking those pods for patched would promote code that never ran, and judge the old
+    code's metrics as the canary's: the rollout fails at once, naming both digests."""
+    engines = await fleet(2)
+    for e in engines:
+        e.applied, e.digests = {"kv-align": "3.2.1"}, {"kv-align": digest_of(BUNDLE)}
+    repacked = BUNDLE + "# re-packed\n"
+    await cluster.kube.create(f"/api/v1/namespaces/{namespace}/configmaps", {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "kv-bundle"}, "data": {"patch.py": repacked}})
+    await operator()
+    body = manifest(prometheus)
+    body["spec"]["patch"]["source"] = {"configMap": {"name": "kv-bundle", "key": "patch.py"},
+                                       "digest": digest_of(repacked)}
+    await create(cluster, namespace, body)
+    obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Failed", "Promoted", "RolledBack"), 20)
+    status = obj["status"]
+    assert (status["phase"], status["reason"]) == ("Failed", "VersionReused"), status
+    assert digest_of(BUNDLE) in status["message"] and digest_of(repacked) in status["message"]
+    assert "give the re-packed bundle a new version" in status["message"]
+    assert sum(e.posts for e in engines) == 0 and all(e.digests["kv-align"] == digest_of(BUNDLE) for e in engines)

@@ -279,3 +279,14 @@ def test_the_rollback_itself_relabels_a_canary_that_is_not_ready():
         w.now += 1
     assert w.status.phase == "RolledBack"
     assert (canary.track, canary.patches) == ("stable", "base")
+
+
+def test_the_right_version_from_other_code_is_swapped_for_the_fleets():
+    pinned = "sha256:" + "1" * 64
+    bundle = PatchSpec("short-first", "1.0.0", PatchSource(builtin=False, config_map="b", key="bundle.py",
+                                                         digest=pinned))
+    other = pod("a", "short-first@1.0.0", digests={"short-first": "sha256:" + "2" * 64}, patched=True)
+    assert ApplyPatch("a", bundle) in converge([bundle], [other]).actions
+    same = pod("a", "short-first@1.0.0", digests={"short-first": pinned.upper().replace("SHA256", "sha256")},
+               patched=True)
+    assert converge([bundle], [same]).converged == ["a"]
