@@ -120,18 +120,19 @@ def _gate_outlived(pod: dict[str, Any]) -> bool:
 
 
 def _renewed_gates(raw: list[dict[str, Any]], pods: list[FleetPod], converged: list[str]) -> list[SetPatched]:
-    """Gates that vouch for a container that is gone: closed while the new one is not running yet
-    (so it is not Ready, and takes no traffic, before its engine has been checked), renewed once it
-    runs the fleet's revision."""
+    """Gates that vouch for a container that is gone: closed until the new one is seen running the
+    fleet's revision (so it is not Ready, and takes no traffic, before its engine has been checked;
+    a container that runs counts as running before it is ready, so "not converged yet" is what
+    closes the gate, not "not running"), renewed once it does."""
     outlived = {p["metadata"]["name"] for p in raw if _gate_outlived(p)}
     out = []
     for pod in pods:
         if pod.name not in outlived:
             continue
-        if not pod.running:
-            out.append(SetPatched(pod.name, False, "its container restarted: checked again once it runs"))
-        elif pod.name in converged:
+        if pod.name in converged:
             out.append(SetPatched(pod.name, True, f"runs {pod.revision}"))
+        else:
+            out.append(SetPatched(pod.name, False, "its container restarted: checked again once it runs"))
     return out
 
 

@@ -106,20 +106,25 @@ async def events_of(kube: Kube, namespace: str, name: str) -> list[dict]:
 
 
 CHECKS = {
-    "breakers": [{"name": "error-rate", "max": 0.05, "window": "2s", "consecutive": 2},
-                 {"name": "latency-p99", "max": 0.5, "window": "2s"}],
-    "gates": [{"name": "error-rate-delta", "max": 0.05, "window": "2s"}],
+    "breakers": [{"name": "error-rate", "max": 0.05, "window": "4s", "consecutive": 2},
+                 {"name": "latency-p99", "max": 0.5, "window": "4s"}],
+    "gates": [{"name": "error-rate-delta", "max": 0.05, "window": "4s"}],
 }
 
 
 def manifest(prometheus, name="kv-align", analysis=None, **spec):
-    """A PatchRollout judged every second over 2 s windows (the fake engines serve 200 requests a
-    second each, so every check has its evidence within a run); `analysis` replaces the checks."""
+    """A PatchRollout judged every second over 4 s windows (the fake engines serve 200 requests a
+    second each, so every check has its evidence within a run); `analysis` replaces the checks.
+
+    In `make test` the other worker runs real fleets beside this process, and Prometheus then
+    scrapes late: a window over a new revision's series can hold fewer than the two samples
+    increase() needs for many runs. So these rollouts never pause for an inconclusive analysis
+    (`inconclusiveLimit: 0`) unless a test asks for it; they wait for the evidence instead."""
     body = {
         "selector": {"matchLabels": {"app": "llm-engine"}},
         "patch": {"name": "kv-align", "version": "3.2.1", "source": {"builtin": {}}},
         "steps": [{"weight": 1, "pause": "1s"}, {"weight": 50, "pause": "1s"}, {"weight": 100}],
-        "analysis": {"prometheus": {"address": prometheus.url}, "interval": "1s",
+        "analysis": {"prometheus": {"address": prometheus.url}, "interval": "1s", "inconclusiveLimit": 0,
                      **(CHECKS if analysis is None else analysis)},
         "progressDeadline": "1m",
     }

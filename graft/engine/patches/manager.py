@@ -460,9 +460,9 @@ class PatchManager:
         """
         self._loop = asyncio.get_running_loop()
         asked = self._reverts.get(name, 0)
+        digest = self.admit(name, version, source)   # refused at once: no wait behind another apply
         async with self._lock:
             self._still_wanted(name, version, asked)
-            digest = self.admit(name, version, source)
             current = self.applied.get(name)
             if current is not None:  # answered before any code of the request runs
                 same_code = current.patch.version == version and current.patch.digest == digest
