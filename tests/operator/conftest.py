@@ -70,7 +70,10 @@ async def namespace(cluster):
 
 @pytest.fixture(scope="module")
 def prometheus():
-    with PrometheusServer(scrape_interval="200ms") as prom:
+    # every 500 ms, and so a 500 ms scrape timeout (Prometheus caps it at the interval): a fake
+    # engine in a process starved by the other worker answered 200 ms timeouts too late, and a new
+    # revision's series then stayed empty for a whole rollout
+    with PrometheusServer(scrape_interval="500ms") as prom:
         yield prom
 
 
