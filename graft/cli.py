@@ -11,14 +11,20 @@ import sys
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from graft.engine.serve import ServeOptions, serve
+    from graft.engine.server import PublicLimits
     opts = ServeOptions(host=args.host, port=args.port, admin_host=args.admin_host,
                         admin_port=None if args.no_admin else args.admin_port,
                         admin_insecure=args.admin_insecure, admin_token_file=args.admin_token_file,
                         admin_tls_cert=args.admin_tls_cert, admin_tls_key=args.admin_tls_key,
                         enable_test_patches=args.enable_test_patches, trusted_keys=args.trusted_key or [],
                         allow_unsigned_bundles=args.allow_unsigned_bundles, bundle_timeout=args.bundle_timeout,
+                        min_patch_versions=args.min_patch_version or [], revoked_digests=args.revoked_digests,
+                        admin_token_overlap=args.admin_token_overlap,
                         patches=os.environ.get("GRAFT_PATCHES", ""), grace=args.grace,
-                        served_model_name=args.served_model_name, probe_prompts=args.probe_prompts)
+                        served_model_name=args.served_model_name, probe_prompts=args.probe_prompts,
+                        public=PublicLimits(max_request_bytes=args.max_request_bytes,
+                                            client_priority_band=args.client_priority_band,
+                                            priority_header=args.priority_header, tenant_header=args.tenant_header))
     from graft.engine.config import config_from_args
     asyncio.run(serve(config_from_args(args), opts))
     return 0
@@ -80,8 +86,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="development only: run bundles checked by their pinned digest alone")
     s.add_argument("--bundle-timeout", type=float, default=10.0,
                    help="seconds a bundle may take to load (and to configure or migrate) before it is refused")
+    s.add_argument("--min-patch-version", action="append", metavar="NAME=VERSION",
+                   help="refuse versions of patch NAME older than VERSION (repeatable): revokes old signed versions")
+    s.add_argument("--revoked-digests", metavar="FILE", default=None,
+                   help="file of revoked bundle digests (sha256:..., one per line), re-read when it changes")
+    s.add_argument("--admin-token-overlap", type=float, default=300.0, metavar="SECONDS",
+                   help="seconds the previous admin token stays accepted after the token file changes (default 300)")
     s.add_argument("--grace", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-request-bytes", type=int, default=4 << 20, metavar="BYTES",
+                   help="larger request bodies are answered 413 before they are parsed (default 4 MiB)")
+    s.add_argument("--client-priority-band", type=int, default=1, metavar="N",
+                   help="a request's own `priority` is clamped into [-N, N]; 0 ignores it (default 1)")
+    s.add_argument("--priority-header", default=None, metavar="NAME",
+                   help="a header set by a trusted gateway that gives the priority in full (off by default)")
+    s.add_argument("--tenant-header", default=None, metavar="NAME",
+                   help="a header set by a trusted gateway that names the tenant for fairness "
+                        "(default: the connection's peer address)")
     s.add_argument("--probe-prompts", metavar="FILE", default=None,
                    help="JSON lines of {\"prompt\": ...}: long contexts of your own traffic that the patch "
                         "self-check also runs, up to 2,048 tokens each (default: $GRAFT_PROBE_PROMPTS_FILE)")

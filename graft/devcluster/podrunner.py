@@ -3,9 +3,10 @@
 It plays three controllers for one namespace, through the Kubernetes API like any client:
 
 - the Deployment controller: keeps `spec.replicas` Pods of each Deployment it manages (made from
-  its pod template, readiness gates included, named `<deployment>-<suffix>`), replacing deleted
-  ones and, on a scale-down, deleting the not-Ready and newest first; `kubectl scale` works
-  through the API server's scale subresource;
+  its pod template, readiness gates included, named `<deployment>-<suffix>`, with a controller
+  ownerReference to the Deployment and its uid, which the operator requires of an engine),
+  replacing deleted ones and, on a scale-down, deleting the not-Ready and newest first;
+  `kubectl scale` works through the API server's scale subresource;
 - the kubelet: gives each Pod its own loopback address (127.0.0.2, .3, ...), so every engine listens
   on the ports its container declares exactly as in a cluster; resolves the container's env
   (`value` with `$(VAR)` references, `secretKeyRef`, and the Downward API's `fieldRef`, which is how
@@ -205,7 +206,10 @@ class PodRunner:
         body = {"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": name, "namespace": self.namespace,
                              "labels": {**meta.get("labels", {}), MANAGED: dep["metadata"]["name"]},
-                             "annotations": dict(meta.get("annotations", {}))},
+                             "annotations": dict(meta.get("annotations", {})),
+                             "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment",
+                                                  "name": dep["metadata"]["name"], "uid": dep["metadata"]["uid"],
+                                                  "controller": True, "blockOwnerDeletion": True}]},
                 "spec": template["spec"]}
         r = await self.api.post(self._ns("pods"), json=body)
         r.raise_for_status()

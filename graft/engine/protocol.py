@@ -6,6 +6,13 @@ every number the engine turns into a tensor or a seed is bounded. Fields of the 
 Graft does not implement are declared so that a request using them is refused with a 400 naming
 the field instead of being answered as if they had been honoured; their neutral values (null,
 false, empty) are accepted because clients send them by default.
+
+A field the API does not have is refused with a 400 naming it, except these, which common clients
+send by default and which change nothing here: `store`, `metadata`, `service_tier`,
+`parallel_tool_calls`, `prediction` (null only), `modalities` (null or ["text"]) and `user`. `user`
+is accepted but decides nothing: the fairness key comes from the connection or a gateway's header
+(`graft.engine.server.PublicLimits`). So does `priority` beyond a small band. Stop strings are at
+most MAX_STOP_LENGTH characters each (a stop string's length is text held back from a stream).
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, 
 from graft.engine.sequence import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_LENGTH = 128
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 
@@ -33,7 +41,7 @@ def _utf8(value: str) -> str:
 
 
 Text = Annotated[StrictStr, AfterValidator(_utf8)]
-StopText = Annotated[Text, Field(min_length=1)]
+StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
@@ -50,7 +58,7 @@ def _unsupported_field(*neutral: Any) -> Any:
     allowed = " or ".join(["null", *(json.dumps(n) for n in neutral)])
     return Field(default=None, json_schema_extra={
         "description": f"Not supported by this server: only {allowed} is accepted.",
-        "anyOf": [{"type": "null"}, {"enum": list(neutral)}]})
+        "anyOf": [{"type": "null"}, *([{"enum": list(neutral)}] if neutral else [])]})
 
 
 class StreamOptions(BaseModel):
@@ -59,7 +67,7 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: Text
     max_tokens: StrictInt | None = Field(default=None, ge=1, description=(
@@ -72,8 +80,10 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    user: Text | None = None
-    priority: StrictInt = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
+    user: Text | None = Field(default=None, description="Accepted; fairness does not depend on it.")
+    priority: StrictInt = Field(default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX, description=(
+        "Lower is more urgent. Clamped to the server's band (--client-priority-band, 1 by default) "
+        "unless a trusted gateway header sets it."))
     ignore_eos: StrictBool = False
     # OpenAI fields Graft does not implement
     logit_bias: Annotated[Any, _unsupported({})] = _unsupported_field({})
@@ -84,6 +94,13 @@ class _Request(BaseModel):
     function_call: Annotated[Any, _unsupported("none")] = _unsupported_field("none")
     presence_penalty: Annotated[Any, _unsupported(0, 0.0)] = _unsupported_field(0)
     frequency_penalty: Annotated[Any, _unsupported(0, 0.0)] = _unsupported_field(0)
+    # harmless client defaults: accepted, and nothing depends on them
+    store: StrictBool | None = None
+    metadata: dict[str, Text] | None = None
+    service_tier: Text | None = None
+    parallel_tool_calls: StrictBool | None = None
+    prediction: Annotated[Any, _unsupported()] = _unsupported_field()
+    modalities: Annotated[Any, _unsupported(["text"])] = _unsupported_field(["text"])
 
     @field_validator("stop")
     @classmethod

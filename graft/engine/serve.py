@@ -25,8 +25,8 @@ from graft.engine.admin import AdminToken
 from graft.engine.config import EngineConfig
 from graft.engine.engine import LLMEngine
 from graft.engine.patches.base import parse_patch_list
-from graft.engine.patches.bundle import BundleVerifier
-from graft.engine.server import build_app
+from graft.engine.patches.bundle import BundleVerifier, RevokedDigests, Revocations, parse_min_versions
+from graft.engine.server import PublicLimits, build_app
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,14 @@ class ServeOptions:
     trusted_keys: list[str] = field(default_factory=list)
     allow_unsigned_bundles: bool = False
     bundle_timeout: float = 10.0        # seconds bundle code may run outside the step loop
+    min_patch_versions: list[str] = field(default_factory=list)   # NAME=VERSION: older versions refused
+    revoked_digests: str | None = None  # file of revoked bundle digests, re-read on change
+    admin_token_overlap: float = 300.0  # seconds the previous token stays accepted after the token file changes
     patches: str = ""                   # `name@version,...` applied at start-up (GRAFT_PATCHES)
     grace: float = 30.0
     served_model_name: str | None = None
     probe_prompts: str | None = None    # JSON-lines file of {"prompt": ...}; default: GRAFT_PROBE_PROMPTS_FILE
+    public: PublicLimits = field(default_factory=PublicLimits)   # what clients of the public port may ask
 
 
 @dataclass(slots=True)
@@ -74,15 +78,22 @@ def check_admin_setup(opts: ServeOptions) -> AdminSetup:
         parse_patch_list(opts.patches)
     except ValueError as exc:
         raise SystemExit(f"GRAFT_PATCHES: {exc}") from None
+    if opts.admin_token_overlap < 0:
+        raise SystemExit("--admin-token-overlap must not be negative")
     try:
-        token = AdminToken.from_env(opts.admin_token_file)
+        token = AdminToken.from_env(opts.admin_token_file, overlap=opts.admin_token_overlap)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"admin token: {exc}") from None
     if token is None and not opts.admin_insecure:
         raise SystemExit("the admin API needs a token: set GRAFT_ADMIN_TOKEN or GRAFT_ADMIN_TOKEN_FILE, "
                          "or pass --admin-insecure to run it without one")
     try:
-        verifier = BundleVerifier.from_files(opts.trusted_keys, opts.allow_unsigned_bundles)
+        revocations = Revocations(parse_min_versions(opts.min_patch_versions),
+                                  RevokedDigests(opts.revoked_digests) if opts.revoked_digests else None)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    try:
+        verifier = BundleVerifier.from_files(opts.trusted_keys, opts.allow_unsigned_bundles, revocations)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"--trusted-key: {exc}") from None
     if opts.allow_unsigned_bundles:
@@ -177,7 +188,7 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> None:
                  len(engine.probe_plan.rows), engine.probe_plan.longest, engine.probe_plan.num_blocks)
     engine.start()
     model_name = opts.served_model_name or served_name(config.model)
-    apps = [(build_app(engine, model_name), opts.host, opts.port, {})]
+    apps = [(build_app(engine, model_name, opts.public), opts.host, opts.port, {})]
     manager = None
     if admin is not None:
         from graft.engine.admin import build_admin_app

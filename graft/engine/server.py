@@ -30,8 +30,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graft.engine.engine import SHUTDOWN, EngineDraining, InvalidPrompt, LLMEngine, RequestHandle
-from graft.engine.protocol import (ChatCompletionRequest, CompletionRequest, error_body, new_id, now,
-                                   usage)
+from graft.engine.protocol import (PRIORITY_MAX, PRIORITY_MIN, ChatCompletionRequest, CompletionRequest,
+                                   error_body, new_id, now, usage)
 from graft.engine.scheduler import QueueFull
 from graft.engine.sequence import FinishReason, InvalidParam, SamplingParams, TokenLogprobs
 from graft.engine.tokenizer import IncrementalDetokenizer, Tokenizer, _bytes_to_unicode
@@ -39,6 +39,116 @@ from graft.engine.tokenizer import IncrementalDetokenizer, Tokenizer, _bytes_to_
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
+# A token of these vocabularies spells at most a few dozen characters; a text prompt longer than
+# this many characters per context token cannot fit and is refused before it is tokenized.
+MAX_CHARS_PER_TOKEN = 32
+
+
+@dataclass(slots=True)
+class PublicLimits:
+    """What a client of the public port may ask, and which of its claims the server believes.
+
+    - `max_request_bytes`: larger bodies are answered 413 before they are parsed (the body is
+      counted as it arrives, so a chunked upload is cut off at the limit too);
+    - `client_priority_band`: a body's `priority` is clamped into [-band, +band] (0: ignored), so no
+      client can jump the queue by more than `band` ageing periods;
+    - `priority_header`: a header a gateway sets (say `x-graft-priority`), believed in the full range
+      and preferred to the body's field; off unless named, since a client could set it too where no
+      gateway overwrites it;
+    - `tenant_header`: the fairness key from a gateway's header; without one the key is the peer
+      address of the connection, never the body's `user` (a client could take a fresh `user` per
+      request and win every tie). Behind a gateway every request has the gateway's address: name
+      its header.
+    """
+
+    max_request_bytes: int = 4 << 20
+    client_priority_band: int = 1
+    priority_header: str | None = None
+    tenant_header: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
+        if not 0 <= self.client_priority_band <= 1000:
+            raise ValueError(f"client_priority_band must be within [0, 1000], got {self.client_priority_band}")
+
+    def priority(self, request: Request, asked: int) -> int:
+        if self.priority_header:
+            raw = request.headers.get(self.priority_header)
+            if raw is not None:
+                try:
+                    value = int(raw.strip())
+                except ValueError:
+                    raise ApiError(400, f"header {self.priority_header}: must be an integer", param="priority") from None
+                if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+                    raise ApiError(400, f"header {self.priority_header}: out of range", param="priority")
+                return value
+        band = self.client_priority_band
+        return min(band, max(-band, asked))
+
+    def tenant(self, request: Request) -> str:
+        if self.tenant_header:
+            raw = request.headers.get(self.tenant_header)
+            if raw:
+                return raw[:256]
+        return request.client.host if request.client else ""
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 before anything parses it.
+
+    A declared Content-Length over the limit is refused at once; otherwise the body is read (at most
+    `limit` bytes held) and handed on whole, and later `receive` calls (a client hang-up) pass through.
+    """
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers") or []:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    return await self._refuse(send, 400, "the Content-Length header is not a number")
+                if declared > self.limit:
+                    return await self._too_large(send)
+        chunks, size, tail = [], 0, None
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                tail = message
+                break
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.limit:
+                return await self._too_large(send)
+            chunks.append(body)
+            if not message.get("more_body"):
+                break
+        first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return first if tail is None else tail
+            return await receive()
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Callable) -> None:
+        await self._refuse(send, 413, f"the request body is larger than this server accepts ({self.limit} bytes)")
+
+    @staticmethod
+    async def _refuse(send: Callable, status: int, message: str) -> None:
+        body = json.dumps(error_body(message)).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 class ApiError(Exception):
@@ -67,7 +177,7 @@ class ErrorResponse(BaseModel):
 
 
 _ERRORS = {400: "the request is malformed or a field is out of range; `param` names the field",
-           404: "unknown model", 429: "too many requests are waiting; see Retry-After",
+           404: "unknown model", 413: "the request body is larger than the server accepts", 429: "too many requests are waiting; see Retry-After",
            500: "this request failed inside the engine", 503: "the server is shutting down"}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()}
@@ -233,9 +343,17 @@ class OpenAIServing:
     """What the generating endpoints share: the served model's name, admission into the engine,
     and the two ways of answering (an SSE stream, or one JSON body once the request is done)."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, spell: TokenSpelling):
+    def __init__(self, engine: LLMEngine, model_name: str, spell: TokenSpelling, limits: PublicLimits | None = None):
         self.engine, self.model_name, self.spell = engine, model_name, spell
         self.tokenizer = engine.tokenizer
+        self.limits = limits or PublicLimits()
+
+    def check_length(self, chars: int, param: str) -> None:
+        """Refuse text that cannot fit in the context before spending time tokenizing it."""
+        cap = self.engine.config.max_model_len * MAX_CHARS_PER_TOKEN
+        if chars > cap:
+            raise ApiError(400, f"{param}: {chars} characters cannot fit in the model's context of "
+                                f"{self.engine.config.max_model_len} tokens", param=param)
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -249,12 +367,13 @@ class OpenAIServing:
         except (ValueError, TemplateError) as exc:
             raise ApiError(400, f"{param}: {exc}", param=param) from None
 
-    def admit(self, prompt_ids: list[int], req: CompletionRequest | ChatCompletionRequest
+    def admit(self, request: Request, prompt_ids: list[int], req: CompletionRequest | ChatCompletionRequest
               ) -> tuple[RequestHandle, SamplingParams]:
         engine = self.engine
+        priority, tenant = self.limits.priority(request, req.priority), self.limits.tenant(request)
         try:
             params = req.sampling_params(DEFAULT_MAX_TOKENS)
-            return engine.submit(prompt_ids, params, priority=req.priority, tenant=req.user or ""), params
+            return engine.submit(prompt_ids, params, priority=priority, tenant=tenant), params
         except QueueFull as exc:
             engine.metrics.requests.labels(engine.revision, "rejected").inc()
             raise ApiError(429, "the server is overloaded: too many requests are waiting", "rate_limit_error",
@@ -267,7 +386,7 @@ class OpenAIServing:
 
     async def respond(self, request: Request, req: CompletionRequest | ChatCompletionRequest,
                       prompt_ids: list[int], chat: bool) -> Response:
-        handle, params = self.admit(prompt_ids, req)
+        handle, params = self.admit(request, prompt_ids, req)
         stream = TextStream(self.engine, handle, params)
         fmt = Formatter(chat, self.model_name, self.spell)
         want_logprobs = params.logprobs is not None
@@ -283,11 +402,16 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(req.model)
         vocab = self.tokenizer.vocab_size
         if isinstance(req.prompt, list):
+            limit = self.engine.config.max_model_len
+            if len(req.prompt) > limit:
+                raise ApiError(400, f"prompt: {len(req.prompt)} tokens exceed the model's context of {limit}",
+                               param="prompt")
             if any(not 0 <= t < vocab for t in req.prompt):
                 raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
             prompt_ids = list(req.prompt)
         else:
-            prompt_ids = await self.tokenize(lambda: self.tokenizer.encode(req.prompt), "prompt")
+            self.check_length(len(req.prompt), "prompt")
+            prompt_ids = await self.tokenize(lambda: self.tokenizer.encode_text(req.prompt), "prompt")
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         return await self.respond(request, req, prompt_ids, chat=False)
@@ -304,9 +428,10 @@ class OpenAIServingChat(OpenAIServing):
                 messages.append({"role": m.role, "content": m.text()})
             except ValueError as exc:
                 raise ApiError(400, f"messages[{i}].content: {exc}", param=f"messages[{i}].content") from None
+        self.check_length(sum(len(m["content"]) for m in messages), "messages")
 
         def render() -> list[int]:
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         prompt_ids = await self.tokenize(render, "messages")
         return await self.respond(request, req, prompt_ids, chat=True)
 
@@ -380,6 +505,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             msg = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip()
             param = None
+        elif first.get("type") == "extra_forbidden":
+            msg = f"{param}: unknown field; this server does not implement it (remove it)"
         else:
             msg = f"{param}: {detail}" if param else detail
         return JSONResponse(error_body(msg, param=param), status_code=400)
@@ -410,14 +537,21 @@ def _openapi_saying_400(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
-def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
-    """The inference app: /v1/*, /health, /ready, /metrics. Routes only: the serving classes answer."""
+def build_app(engine: LLMEngine, model_name: str, limits: PublicLimits | None = None) -> FastAPI:
+    """The inference app: /v1/*, /health, /ready, /metrics. Routes only: the serving classes answer.
+
+    Nothing here tells a client which patches the engine runs (a client that could tell canaries
+    from stable pods could tilt their comparison): /health and /ready say only whether it serves;
+    the revision is on the admin API and in the metrics Prometheus scrapes.
+    """
+    limits = limits or PublicLimits()
     app = FastAPI(title="graft engine", docs_url=None, redoc_url=None)
     _install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=limits.max_request_bytes)
     app.openapi = _openapi_saying_400(app)
     spell = TokenSpelling(engine.tokenizer)
-    completion = OpenAIServingCompletion(engine, model_name, spell)
-    chat = OpenAIServingChat(engine, model_name, spell)
+    completion = OpenAIServingCompletion(engine, model_name, spell, limits)
+    chat = OpenAIServingChat(engine, model_name, spell, limits)
     served = OpenAIServingModels(engine, model_name)
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
@@ -437,7 +571,7 @@ def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
         why = engine.health()
         if why is not None:
             raise ApiError(503, why, "server_error")
-        return {"status": "ok", "revision": engine.revision}
+        return {"status": "ok"}
 
     @app.get("/ready")
     async def ready() -> Response:
@@ -448,9 +582,8 @@ def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
             return JSONResponse({"status": "unhealthy", "reason": why}, status_code=503)
         why = engine.not_ready()
         if why is not None:
-            return JSONResponse({"status": "awaiting-patches", "reason": why, "revision": engine.revision,
-                                 "awaiting": list(engine.awaiting)}, status_code=503)
-        return JSONResponse({"status": "ready", "revision": engine.revision})
+            return JSONResponse({"status": "awaiting-patches"}, status_code=503)
+        return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
     async def metrics() -> Response:

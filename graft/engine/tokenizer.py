@@ -7,6 +7,8 @@ and incremental detokenization for streaming.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -86,6 +88,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
         self._extra_stop = tuple(extra_stop_token_ids)
+        self._plain: Backend | None = None   # the same vocabulary, reading control-token strings as text
 
     # ---- construction ----
 
@@ -180,8 +183,45 @@ class Tokenizer:
     # ---- ids and text ----
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special tokens written in the text are recognised as such."""
+        """Token ids of `text`; special tokens written in the text are recognised as such (for text
+        the server itself writes, such as a chat template's; a client's text goes through `encode_text`)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of text a client wrote: a control token's spelling in it (`<|im_end|>`) is
+        plain text, encoded as the characters it is made of, never as the control token."""
+        if self._plain is None:
+            plain = Backend.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `messages` through the chat template, where only the template writes
+        control tokens: each message's content is encoded as client text (`encode_text`), so a
+        message cannot forge a turn by spelling `<|im_end|>\n<|im_start|>system` in it.
+
+        The template is rendered with a one-off placeholder for each content; the text around them
+        is the template's own. A template that does not copy a content through unchanged (once,
+        verbatim) is refused rather than guessed at.
+        """
+        nonce = secrets.token_hex(8)
+        marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
+        marked = [{**m, "content": mark} if isinstance(m.get("content"), str) else m
+                  for m, mark in zip(messages, marks)]
+        rendered = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
+        used = [int(i) for i in pieces[1::2]]
+        if len(used) != len(set(used)) or any(
+                isinstance(m.get("content"), str) and i not in used for i, m in enumerate(messages)):
+            raise ValueError("the model's chat template does not place each message's content once as written")
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                ids += self.encode_text(messages[int(piece)]["content"])
+            elif piece:
+                ids += self.encode(piece)
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -2,11 +2,16 @@
 
 A bundle's digest is checked here, against the digest pinned in the PatchRollout, before anything
 is sent to an engine (the engine checks again). A signature, when the ConfigMap has one under
-`<key>.sig`, travels along for engines that require signed bundles.
+`<key>.sig`, travels along for engines that require signed bundles (they verify it against the
+rollout's `config`, which the signature covers). A signature that says it has expired
+(`v2:<expires>:...`, see graft.engine.patches.bundle) is not sent: the rollout reports
+SignatureExpired until the ConfigMap holds a fresh one.
 """
 from __future__ import annotations
 
 import hmac
+import time
+from datetime import datetime, timezone
 from typing import Any
 
 from graft.api import digest_of
@@ -42,4 +47,14 @@ async def load_source(kube: Kube, namespace: str, patch: PatchSpec) -> dict[str,
     signature = data.get(f"{src.key}.sig")
     if signature:
         body["signature"] = signature.strip()
+        _check_expiry(body["signature"], f"{where} key {src.key}.sig")
     return body
+
+
+def _check_expiry(signature: str, where: str) -> None:
+    form, _, rest = signature.partition(":")
+    expires = rest.partition(":")[0]
+    if form == "v2" and expires.isdigit() and int(expires) <= time.time():
+        when = datetime.fromtimestamp(int(expires), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        raise BundleError(Problem("SignatureExpired", f"{where} expired at {when}; sign the bundle again with "
+                                                      "`graft patch sign` (or `graft patch pack --key`)"))

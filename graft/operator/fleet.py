@@ -1,9 +1,10 @@
 """The fleet controller: every PatchFleet's pods converged to its patches, for good.
 
-Each tick (a kopf timer per PatchFleet) it lists the pods the fleet's selector matches, asks each
-running engine its revision, calls the pure `graft.rollout.fleet.converge`, and carries out what it
-returns: pod labels and annotations first, then one admin call per pod, then the pod's readiness-gate
-condition `graft.dev/patched`. While a rollout is active on the fleet (its `status.fleet` names it),
+Each tick (a kopf timer per PatchFleet) it lists the pods the fleet's selector matches, keeps the
+engines of a workload among them (`graft.operator.pods.Workloads`: any other pod is left alone and
+reported once, in a Warning Event NotAnEngine), asks each running engine its revision, calls the
+pure `graft.rollout.fleet.converge`, and carries out what it returns: pod labels and annotations
+first, then one admin call per pod, then the pod's readiness-gate condition `graft.dev/patched`. While a rollout is active on the fleet (its `status.fleet` names it),
 the pods the rollout acts on (Ready ones) are its own, and the rollout's patch is left alone.
 
 The rollout side (graft.operator.reconcile) finds or creates the fleet when a rollout starts, and
@@ -14,7 +15,9 @@ the one with the same selector (spelled any way) or, failing that, the one selec
 same pods. Two fleets that share a pod would each take the other's patches for drift and revert
 them, so they are refused: the younger fleet acts on no pod while the overlap lasts (its condition
 says which fleet and pods), and a rollout whose pods another fleet also selects holds, Pending, with
-reason FleetOverlap until the selectors are made apart or its progress deadline ends it.
+reason FleetOverlap until the selectors are made apart or its progress deadline ends it. (Overlap
+is judged on the pods' labels alone: a pod that is no engine can make a fleet stand down, never
+receive a call.)
 """
 from __future__ import annotations
 
@@ -174,20 +177,24 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
         return await _write(runtime, body, {**old_status, "conditions": _conditions(
             old_status, False, "InvalidSpec", f"invalid spec: {e}", meta)},
             [("InvalidSpec", f"invalid spec: {e}", "Warning")])
-    raw = await podsmod.list_pods(runtime.kube, namespace, spec.selector.to_query())
+    workloads = podsmod.Workloads(runtime.kube, namespace, runtime.settings.admin_port)
+    raw = await workloads.engines(await podsmod.list_pods(runtime.kube, namespace, spec.selector.to_query()))
+    strangers = [(podsmod.NOT_AN_ENGINE, f"pod {pod} is left alone (no label, no admin call): {why}", "Warning")
+                 for pod, why in sorted(workloads.refused.items())
+                 if runtime.report_once(f"PatchFleet {namespace}/{name}", workloads.uid(pod))]
     stand_down = await _overlapped(runtime.kube, namespace, body, raw)
     if stand_down is not None:
         before = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Converged"), {})
-        events = [] if before.get("reason") == FLEET_OVERLAP and before.get("message") == stand_down else \
-            [(FLEET_OVERLAP, stand_down, "Warning")]
+        events = strangers + ([] if before.get("reason") == FLEET_OVERLAP and before.get("message") == stand_down
+                              else [(FLEET_OVERLAP, stand_down, "Warning")])
         return await _write(runtime, body, {**old_status, "activeRollout": None, "conditions": _conditions(
             old_status, False, FLEET_OVERLAP, stand_down, meta)}, events)
     try:
         admin = await runtime.admin()
     except TokenError as e:
         return await _write(runtime, body, {**old_status, "conditions": _conditions(
-            old_status, False, e.problem.reason, e.problem.message, meta)}, [])
-    fleet_pods = await asyncio.gather(*(_observe(runtime, admin, p) for p in raw))
+            old_status, False, e.problem.reason, e.problem.message, meta)}, strangers)
+    fleet_pods = await asyncio.gather(*(_observe(workloads, admin, p) for p in raw))
     # The rollout and the fleet's patches are read only now, after the engines: a rollout stores its
     # status (active, on this fleet) before it touches a pod, and records a promotion here before it
     # stores Promoted, so an engine seen running a rollout's patch is never taken for drift and reverted.
@@ -201,7 +208,7 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
     # labels and annotations first, then the engines, then the gates
     for kind in (MarkPod, (ApplyPatch, RevertPatch), SetPatched):
         group = [a for a in plan.actions if isinstance(a, kind)]
-        await asyncio.gather(*(_act(runtime, admin, namespace, by_name[a.pod], a, errors) for a in group))
+        await asyncio.gather(*(_act(runtime, workloads, admin, namespace, by_name[a.pod], a, errors) for a in group))
     pending = [{"name": n, "reason": errors.get(n, why)} for n, why in sorted(plan.pending.items())]
     revision = desired_revision(spec.patches)
     converged = len(plan.converged)
@@ -213,7 +220,7 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
               "converged": converged, "pending": pending,
               "activeRollout": rollout["metadata"]["name"] if rollout else None,
               "conditions": _conditions(old_status, ok, "Converged" if ok else "Converging", message, meta)}
-    events = []
+    events = strangers
     if (old_status.get("converged"), old_status.get("pods"), old_status.get("revision")) != (converged, len(raw), revision):
         events.append(("FleetConverged" if ok else "FleetConverging", message, "Normal"))
     return await _write(runtime, body, status, events)
@@ -243,14 +250,14 @@ async def _reread(runtime: Runtime, namespace: str, name: str, spec: FleetSpec) 
         return spec
 
 
-async def _observe(runtime: Runtime, admin, pod: dict[str, Any]) -> FleetPod:
+async def _observe(workloads: podsmod.Workloads, admin, pod: dict[str, Any]) -> FleetPod:
     obs = podsmod.observe_pod(pod)
     fp = FleetPod(obs.name, running=_containers_running(pod), ready=obs.ready, track=obs.track,
                   patches=obs.patches, patched=_patched(pod))
     if not fp.running:
         return fp
     try:
-        address = podsmod.admin_address(pod, runtime.settings.admin_port)
+        address = workloads.address(pod)
         if address is None:
             fp.error = "no pod IP yet"
             return fp
@@ -261,7 +268,8 @@ async def _observe(runtime: Runtime, admin, pod: dict[str, Any]) -> FleetPod:
     return fp
 
 
-async def _act(runtime: Runtime, admin, namespace: str, pod: dict[str, Any], action, errors: dict[str, str]) -> None:
+async def _act(runtime: Runtime, workloads: podsmod.Workloads, admin, namespace: str, pod: dict[str, Any], action,
+               errors: dict[str, str]) -> None:
     name = pod["metadata"]["name"]
     try:
         match action:
@@ -270,10 +278,10 @@ async def _act(runtime: Runtime, admin, namespace: str, pod: dict[str, Any], act
             case ApplyPatch(_, patch):
                 source = await load_source(runtime.kube, namespace, patch)
                 running = {r.partition("@")[0] for r in patches_of(_revision_of(pod) or "")}
-                await admin.apply(*podsmod.admin_address(pod, runtime.settings.admin_port), patch.name, patch.version,
+                await admin.apply(*workloads.address(pod), patch.name, patch.version,
                                   source, patch.config, **({"replace": True} if patch.name in running else {}))
             case RevertPatch(_, patch_name):
-                await admin.revert(*podsmod.admin_address(pod, runtime.settings.admin_port), patch_name)
+                await admin.revert(*workloads.address(pod), patch_name)
             case SetPatched(_, value, message):
                 await set_condition(runtime.kube, namespace, pod, PATCHED_CONDITION, value,
                                     "Patched" if value else "Converging", message)
@@ -413,12 +421,13 @@ def _gated(pod: dict[str, Any]) -> bool:
 
 
 async def create_for_gated_pods(runtime: Runtime, namespace: str, selector: LabelSelector,
-                                pods: list[dict[str, Any]]) -> str | None:
+                                pods: list[dict[str, Any]], workloads: podsmod.Workloads) -> str | None:
     """The fleet of pods that wait, behind the readiness gate graft.dev/patched, for a fleet that
     does not exist yet; created, adopting what their engines run, when they all run the same.
 
     Without it a rollout over such pods would wait for Ready pods forever: only the fleet
     controller opens the gate, and a rollout creates its fleet only once it has started.
+    `pods` are engine pods `workloads` vetted.
     """
     running = [p for p in pods if _gated(p) and _containers_running(p)]
     if not running or any(podsmod.is_ready(p) for p in pods):
@@ -426,7 +435,7 @@ async def create_for_gated_pods(runtime: Runtime, namespace: str, selector: Labe
     found = await find_fleet(runtime.kube, namespace, selector)
     if found is not None:
         return found
-    addresses = [podsmod.admin_address(p, runtime.settings.admin_port) for p in running]
+    addresses = [workloads.address(p) for p in running]
     try:
         admin = await runtime.admin()
         revisions = {await admin.revision(*address) for address in addresses if address is not None}

@@ -1,5 +1,6 @@
 """A small async Kubernetes REST client (httpx) for what the operator reads and writes itself:
-pods, their labels, Secrets, ConfigMaps, HTTPRoutes and the rollout's own annotations.
+pods, their labels, the workloads that own them, Secrets, ConfigMaps, HTTPRoutes and the rollout's
+own annotations.
 
 kopf watches and patches PatchRollouts with its own client; this one is built from the very
 same credentials (`kopf.ConnectionInfo`), so both act as one identity.
@@ -78,6 +79,18 @@ class Kube:
 
 def pods_path(namespace: str, name: str | None = None) -> str:
     return f"/api/v1/namespaces/{quote(namespace)}/pods" + (f"/{quote(name)}" if name else "")
+
+
+def replicaset_path(namespace: str, name: str) -> str:
+    return f"/apis/apps/v1/namespaces/{quote(namespace)}/replicasets/{quote(name)}"
+
+
+def statefulset_path(namespace: str, name: str) -> str:
+    return f"/apis/apps/v1/namespaces/{quote(namespace)}/statefulsets/{quote(name)}"
+
+
+def deployment_path(namespace: str, name: str) -> str:
+    return f"/apis/apps/v1/namespaces/{quote(namespace)}/deployments/{quote(name)}"
 
 
 def secret_path(namespace: str, name: str) -> str:

@@ -26,5 +26,9 @@ class SecretError(ProblemError):
     """A Secret a rollout names (Prometheus credentials) is missing or lacks its key."""
 
 
+class PrometheusRefused(ProblemError):
+    """The Prometheus a rollout names is not one the operator may ask, or its Secrets not ones it may read."""
+
+
 class BundleError(ProblemError):
     """A patch bundle cannot be sent: its ConfigMap or key is missing, or its digest is not the pinned one."""

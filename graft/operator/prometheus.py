@@ -10,12 +10,17 @@ the check's verdict is Error, which holds the rollout; it never promotes it. Unr
 or a 5xx is an outage (`ProviderError.outage`): the rollout holds and goes on by itself once
 Prometheus answers, pausing for a person past `outageLimit`; any other error counts towards
 `errorLimit`, as a check that cannot be judged will not mend itself. NaN (0/0: a ratio over no requests) reads as no data, like an empty vector.
+
+Which Prometheus a rollout may name is the cluster administrator's choice (`address_allowed`): the
+operator sends it the rollout's credentials and, through its queries, what it learns, so an
+address outside the operator's allow-list is refused before anything is read or sent.
 """
 from __future__ import annotations
 
 import asyncio
 import math
 import ssl
+from urllib.parse import SplitResult, unquote, urlsplit
 
 import httpx
 
@@ -89,6 +94,48 @@ class PrometheusProvider:
         except ProviderError as e:
             return Measurement(key, error=str(e), outage=e.outage)
         return Measurement(key, {s.key: v for s, v in zip(series, values)})
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _parts(url: str) -> tuple[str, str, int, str] | None:
+    """(scheme, host, port, path without trailing slash) of a plain http(s) URL; None for anything
+    else: another scheme, no host, credentials, a query, a fragment, a bad port, or `.`/`..` path
+    segments (which would climb out of an allowed path)."""
+    try:
+        u: SplitResult = urlsplit(url.strip())
+        port = u.port
+    except ValueError:
+        return None
+    scheme = u.scheme.lower()
+    if scheme not in _DEFAULT_PORTS or not u.hostname or "@" in u.netloc or u.query or u.fragment \
+            or url.rstrip().endswith(("?", "#")):
+        return None
+    path = u.path.rstrip("/")
+    if any(unquote(segment) in (".", "..") for segment in path.split("/")):
+        return None
+    return scheme, u.hostname.lower(), port or _DEFAULT_PORTS[scheme], path
+
+
+def valid_prefix(url: str) -> bool:
+    """Whether `url` can stand in an allow-list of Prometheus addresses."""
+    return _parts(url) is not None
+
+
+def address_allowed(address: str, allowed: list[str] | tuple[str, ...]) -> bool:
+    """Whether `address` is one of the `allowed` prefixes: scheme, host and port the same (the
+    scheme's port when none is written), and its path the prefix's path or below it, segment by
+    segment (`http://prom:9090/org` allows `/org` and `/org/a`, not `/organisation`)."""
+    mine = _parts(address)
+    if mine is None:
+        return False
+    for prefix in allowed:
+        theirs = _parts(prefix)
+        if theirs is not None and mine[:3] == theirs[:3] and (
+                mine[3] == theirs[3] or mine[3].startswith(theirs[3] + "/")):
+            return True
+    return False
 
 
 def _number(data: dict) -> float | None:

@@ -16,9 +16,9 @@ from graft.operator import pods as podsmod
 from graft.operator.admin import AdminClient, AdminError, EngineAnswer
 from graft.operator.bundles import load_source
 from graft.operator.kube import cluster_template_path, fleet_path, rollout_path, template_path
-from graft.operator.pods import AddressError, NoPodIP
+from graft.operator.pods import NOT_AN_ENGINE, AddressError, NoPodIP
 from graft.operator.routers import RouteError, Router, router_for
-from graft.operator.problems import BundleError, SecretError, TokenError
+from graft.operator.problems import BundleError, PrometheusRefused, SecretError, TokenError
 from graft.operator.runtime import Runtime
 from graft.rollout.analysis import plan_run
 from graft.operator.fleet import (FLEET_OVERLAP, FleetOverlap, active_rollout, create_for_gated_pods, find_fleet,
@@ -143,10 +143,13 @@ class Reconciliation:
         meta = body["metadata"]
         self.namespace, self.name = meta["namespace"], meta["name"]
         self.router: Router = router_for(spec.traffic_routing, runtime.kube, self.namespace)
-        self.pods: dict[str, dict[str, Any]] = {}
+        self.pods: dict[str, dict[str, Any]] = {}       # the engine pods the selector picks
+        self.workloads = podsmod.Workloads(runtime.kube, self.namespace, runtime.settings.admin_port)
         self.answered: dict[str, str] = {}       # revisions the engines gave back this tick
         self.errors: dict[str, PodError] = {}
         self.problem: Problem | None = None
+        # a Prometheus the operator may not ask fails the rollout before anything is read or sent
+        self.refusal = runtime.prometheus_refusal(spec.analysis.prometheus, self.namespace)
         self.sources: dict[str, dict[str, Any]] = {}   # patch ref -> the POST body's source
         self.promote_done = False                # a promote control acts once, not once per round
         self.resume_done = False                 # and so does a resume
@@ -157,7 +160,8 @@ class Reconciliation:
         pending = status.copy() if status.phase == PENDING else None
         if status.phase == PENDING:
             await self.wait_for_turn()
-        measurements = await self.measure(status) if analysis_due(self.spec, status, self.now) else None
+        due = self.refusal is None and analysis_due(self.spec, status, self.now)
+        measurements = await self.measure(status) if due else None
         for _ in range(MAX_ROUNDS):
             self.status = status
             d = decide(self.spec, status, await self.observe(status, measurements), self.now)
@@ -183,10 +187,20 @@ class Reconciliation:
             elif status.phase == PENDING and status.reason == NO_PODS:
                 # pods held by the readiness gate need a fleet before this rollout can see them Ready
                 await create_for_gated_pods(self.runtime, self.namespace, self.spec.selector,
-                                            list(self.pods.values()))
+                                            list(self.pods.values()), self.workloads)
         except FleetOverlap:
             pass        # a started rollout keeps going without one; a pending one holds on it next tick
-        return status, events
+        return status, self.strangers_reported() + events
+
+    def strangers_reported(self) -> list[Event]:
+        """A Warning Event, once per pod, for each pod the selector picks that is no engine of a
+        workload: it is left alone (no label, no admin call) and counts as no member of the fleet."""
+        out = []
+        for pod, why in sorted(self.workloads.refused.items()):
+            if self.runtime.report_once(f"PatchRollout {self.namespace}/{self.name}", self.workloads.uid(pod)):
+                out.append(Event(NOT_AN_ENGINE, f"pod {pod} is left alone (no label, no admin call): {why}",
+                                 "Warning"))
+        return out
 
     async def claim_fleet(self, status: RolloutStatus) -> None:
         """Before a starting rollout touches a pod: record its fleet and store the status, so that the
@@ -218,19 +232,25 @@ class Reconciliation:
         plan = plan_run(self.spec, status, self.namespace, self.now)
         try:
             provider = await self.runtime.provider(self.spec.analysis.prometheus, self.namespace)
-        except SecretError as e:
+        except (SecretError, PrometheusRefused) as e:
             return [Measurement(check.key, error=e.problem.message) for check, _ in plan]
         return await provider.measure(plan)
 
     async def observe(self, status: RolloutStatus, measurements: list[Measurement] | None) -> Observation:
-        problem = self.problem
+        problem = self.refusal or self.problem
         admin = None
         try:
             admin = await self.runtime.admin()
         except TokenError as e:
             problem = problem or e.problem
-        raw = await podsmod.list_pods(self.runtime.kube, self.namespace, self.spec.selector.to_query())
+        picked = await podsmod.list_pods(self.runtime.kube, self.namespace, self.spec.selector.to_query())
+        raw = await self.workloads.engines(picked)
         self.pods = {p["metadata"]["name"]: p for p in raw}
+        if not raw and picked:
+            left = "; ".join(f"pod {p['metadata']['name']}: {self.workloads.refused[p['metadata']['name']]}"
+                             for p in picked[:3])
+            problem = problem or Problem(NOT_AN_ENGINE, f"no engine pod matches the selector "
+                                                        f"{self.spec.selector.to_query()}, only pods left alone ({left})")
         observed = [podsmod.observe_pod(p) for p in raw]
         await asyncio.gather(*(self.revision(status, pod, admin) for pod in observed))
         problem = problem or self.problem         # what the engines' answers showed (check_code)
@@ -278,8 +298,8 @@ class Reconciliation:
                             "version", permanent=True)
 
     def address(self, pod: str) -> tuple[str, int]:
-        """The pod's admin address; AddressError when it has no IP yet or a malformed annotation."""
-        address = podsmod.admin_address(self.pods[pod], self.runtime.settings.admin_port)
+        """The engine pod's admin address; NoPodIP when it has no IP yet."""
+        address = self.workloads.address(self.pods[pod])
         if address is None:
             raise NoPodIP(f"pod {pod} has no IP yet")
         return address

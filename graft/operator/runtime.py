@@ -10,15 +10,18 @@ from typing import Any
 import kopf
 
 from graft.operator.admin import AdminClient
-from graft.operator.kube import Kube, secret_path, secret_value
+from graft.operator.kube import Kube, KubeError, secret_path, secret_value
 from graft.operator.metrics import OperatorMetrics
-from graft.operator.problems import SecretError, TokenError
-from graft.operator.prometheus import PrometheusProvider
+from graft.operator.problems import PrometheusRefused, SecretError, TokenError
+from graft.operator.prometheus import PrometheusProvider, address_allowed
 from graft.operator.settings import OperatorSettings
 from graft.rollout.observation import Problem
 from graft.rollout.spec import PrometheusSource
 
-__all__ = ["Runtime", "SecretError", "TokenError"]
+__all__ = ["Runtime", "PrometheusRefused", "SecretError", "TokenError"]
+
+PROMETHEUS_NOT_ALLOWED = "PrometheusNotAllowed"
+PROMETHEUS_SECRETS_NOT_ALLOWED = "PrometheusSecretsNotAllowed"
 
 
 class Runtime:
@@ -32,6 +35,7 @@ class Runtime:
                                   tls_server_name=settings.admin_tls_server_name)
         self._token_read_at = float("-inf")
         self.unauthorized: dict[str, int] = {}     # namespace/pod -> ticks in a row its engine refused the token
+        self._reported: set[tuple[str, str]] = set()   # (object, pod uid) already reported as no engine
         self._providers: dict[tuple, PrometheusProvider] = {}
         self.metrics = OperatorMetrics()
         self.closed = False
@@ -82,13 +86,47 @@ class Runtime:
             self._admin.token, self._token_read_at = token.strip(), time.monotonic()
         return self._admin
 
+    def report_once(self, about: str, pod_uid: str) -> bool:
+        """True the first time `about` (the object an Event goes to) reports the pod `pod_uid`."""
+        key = (about, pod_uid)
+        if key in self._reported:
+            return False
+        if len(self._reported) > 10_000:       # pods come and go: forget the oldest reports wholesale
+            self._reported.clear()
+        self._reported.add(key)
+        return True
+
     def invalidate_token(self) -> None:
         """Read the token Secret again before the next call (an engine refused the one we hold)."""
         self._token_read_at = float("-inf")
 
+    def prometheus_refusal(self, source: PrometheusSource, namespace: str) -> Problem | None:
+        """Why the operator will not ask the Prometheus a rollout names (a permanent Problem), or None:
+        an address outside the allow-list, or Secrets in a namespace where it does not read them."""
+        s = self.settings
+        if source.address and not address_allowed(source.address, s.prometheus_prefixes):
+            return Problem(PROMETHEUS_NOT_ALLOWED,
+                           f"spec.analysis.prometheus.address: {source.address} is not a Prometheus this "
+                           f"operator may ask (allowed: {', '.join(s.prometheus_prefixes)}; the cluster "
+                           "administrator sets them with GRAFT_PROMETHEUS_ALLOWED, the chart's "
+                           "prometheus.allowedAddresses)", permanent=True)
+        named = [f for f, ref in (("bearerTokenSecret", source.bearer_token_secret), ("caSecret", source.ca_secret))
+                 if ref is not None]
+        if named and namespace not in s.prometheus_secret_namespaces:
+            return Problem(PROMETHEUS_SECRETS_NOT_ALLOWED,
+                           f"spec.analysis.prometheus.{named[0]}: this operator reads no Prometheus Secrets in "
+                           f"namespace {namespace} (the cluster administrator enables them per namespace: "
+                           "GRAFT_PROMETHEUS_SECRET_NAMESPACES, the chart's rbac.prometheusSecrets)",
+                           permanent=True)
+        return None
+
     async def provider(self, source: PrometheusSource, namespace: str) -> PrometheusProvider:
         """The provider for a rollout's Prometheus: its address (or the operator's default), with the
-        bearer token and CA bundle read from Secrets in the rollout's namespace."""
+        bearer token and CA bundle read from Secrets in the rollout's namespace. Raises
+        PrometheusRefused, before any Secret is read, for a source `prometheus_refusal` refuses."""
+        refusal = self.prometheus_refusal(source, namespace)
+        if refusal is not None:
+            raise PrometheusRefused(refusal)
         headers = dict(source.headers)
         ca = None
         if source.bearer_token_secret is not None:
@@ -104,7 +142,15 @@ class Runtime:
         return self._providers[key]
 
     async def _secret_key(self, namespace: str, name: str, key: str, field: str) -> str:
-        secret = await self.kube.get(secret_path(namespace, name))
+        try:
+            secret = await self.kube.get(secret_path(namespace, name))
+        except KubeError as e:
+            if e.status != 403:
+                raise
+            raise SecretError(Problem("PrometheusSecretMissing",
+                                      f"spec.analysis.prometheus.{field}: the operator may not read Secret "
+                                      f"{namespace}/{name} (no Role grants it: the chart's rbac.prometheusSecrets)")
+                              ) from None
         value = secret_value(secret, key) if secret is not None else None
         if not value:
             raise SecretError(Problem("PrometheusSecretMissing",

@@ -11,12 +11,21 @@ The engines' admin token: `GRAFT_ADMIN_TOKEN` itself, or the Secret named by
 With `GRAFT_ADMIN_CA_FILE` (a PEM CA bundle) the admin API is called over https and the engines'
 certificate verified, for the name `GRAFT_ADMIN_TLS_SERVER_NAME` when set (a pod's certificate
 usually names its Service, not its IP).
+
+Prometheus: `GRAFT_PROMETHEUS_ADDRESS` for rollouts that name none; a rollout may name another
+only when it lies under one of `GRAFT_PROMETHEUS_ALLOWED` (comma-separated URL prefixes: scheme,
+host and port exact, the path a prefix; the default address is always allowed). The Secrets a
+rollout names for it (bearerTokenSecret, caSecret) are read only in the namespaces of
+`GRAFT_PROMETHEUS_SECRET_NAMESPACES` (comma-separated; none by default), the ones the cluster
+administrator granted the operator a Role for.
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from graft.operator.prometheus import valid_prefix
 
 
 @dataclass(slots=True)
@@ -39,6 +48,8 @@ class OperatorSettings:
     admin_retries: int = 2                 # retries of a call that did not reach the engine
     prometheus_timeout: float = 5.0
     prometheus_address: str = "http://prometheus.monitoring:9090"   # for rollouts that name none
+    prometheus_allowed: list[str] = field(default_factory=list)     # other addresses rollouts may name (prefixes)
+    prometheus_secret_namespaces: list[str] = field(default_factory=list)   # where Prometheus Secrets are read
     metrics_port: int | None = None        # the operator's own /metrics; None: not served
     peering: str | None = None             # kopf peering name; None: standalone (one replica)
 
@@ -51,6 +62,15 @@ class OperatorSettings:
             raise ValueError("admin_scheme must be http or https")
         if self.admin_ca_file and self.admin_scheme != "https":
             raise ValueError("GRAFT_ADMIN_CA_FILE is for https: leave GRAFT_ADMIN_SCHEME unset or set it to https")
+        for prefix in [self.prometheus_address, *self.prometheus_allowed]:
+            if not valid_prefix(prefix):
+                raise ValueError(f"Prometheus address {prefix!r} (GRAFT_PROMETHEUS_ADDRESS, GRAFT_PROMETHEUS_ALLOWED) "
+                                 "must be an http(s) URL with a host and no credentials, query or fragment")
+
+    @property
+    def prometheus_prefixes(self) -> list[str]:
+        """The addresses a rollout may name: the default one and GRAFT_PROMETHEUS_ALLOWED."""
+        return [self.prometheus_address, *self.prometheus_allowed]
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorSettings":
@@ -82,6 +102,12 @@ class OperatorSettings:
             admin_retries=int(number("GRAFT_ADMIN_RETRIES", 2)),
             prometheus_timeout=number("GRAFT_PROMETHEUS_TIMEOUT", 5.0),
             prometheus_address=env.get("GRAFT_PROMETHEUS_ADDRESS") or "http://prometheus.monitoring:9090",
+            prometheus_allowed=_names(env.get("GRAFT_PROMETHEUS_ALLOWED")),
+            prometheus_secret_namespaces=_names(env.get("GRAFT_PROMETHEUS_SECRET_NAMESPACES")),
             metrics_port=int(number("GRAFT_METRICS_PORT", 0)) or None,
             peering=env.get("GRAFT_PEERING") or None,
         )
+
+
+def _names(raw: str | None) -> list[str]:
+    return [n.strip() for n in (raw or "").split(",") if n.strip()]

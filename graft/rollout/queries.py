@@ -18,6 +18,13 @@ with the table it ran before the patch, so the canary's own series are the whole
 Custom queries may use `{{namespace}}`, `{{canaryRevision}}`, `{{stableRevision}}`, `{{window}}`,
 `{{patchName}}`, `{{patchVersion}}` and a template's `{{args.NAME}}`; a query that uses
 `{{stableRevision}}` is a comparison and needs stable traffic.
+
+Prometheus answers the operator about every namespace, so what a rollout's own query may read is
+checked (`unscoped_selectors`): every vector selector in a query written in a PatchRollout or a
+PatchAnalysisTemplate must carry `namespace="{{namespace}}"`; a ClusterPatchAnalysisTemplate's
+queries are the cluster administrator's and are trusted as written. A template argument is a
+label value and nothing else (`fill_args`): it may stand only inside a double-quoted string, and
+its value is escaped there, so no argument can change what a query means.
 """
 from __future__ import annotations
 
@@ -49,7 +56,8 @@ QUANTILES: dict[str, tuple[str, float]] = {
 class Series:
     """One number a check needs. `key` names it for the judge; `promql` asks Prometheus for it.
 
-    kind: count (requests of `side` with `status`, or all; `failed` is `error` or `abandoned`),
+    kind: count (requests of `side` with `status`, or all; `failed` is `error` or a hang-up,
+    `answered` all but hang-ups),
     shadow (the canary's shadow comparisons: `compared`, agreeing or divergent, or `divergent` alone),
     quantile (`q` of histogram `metric`),
     samples (observations in histogram `metric`), cpu (canary CPU utilisation), custom (a user query).
@@ -89,13 +97,173 @@ def is_comparison(template: str) -> bool:
     return "stableRevision" in template_vars(template)
 
 
+MAX_ARG = 256     # characters of an argument's value
+
+
+def arg_problem(value: str) -> str | None:
+    """Why `value` cannot be a template argument (too long, a control character, a placeholder), or None."""
+    if len(value) > MAX_ARG:
+        return f"must be at most {MAX_ARG} characters"
+    bad = next((c for c in value if ord(c) < 32 or 0x7f <= ord(c) < 0xa0), None)
+    if bad is not None:
+        return f"must not contain control characters (found {bad!r})"
+    if "{{" in value or "}}" in value:
+        return "must not contain {{ or }}"
+    return None
+
+
 def fill_args(template: str, args: dict[str, str]) -> str:
-    """`{{args.NAME}}` replaced by the argument's value (a template's parameters)."""
-    def sub(m: re.Match) -> str:
-        if m.group(1) not in args:
-            raise KeyError(f"argument {m.group(1)!r} has no value (give it in spec.analysis.args)")
-        return args[m.group(1)]
-    return _ARG.sub(sub, template)
+    """`{{args.NAME}}` replaced by the argument's value (a template's parameters), escaped as the
+    content of a PromQL double-quoted string: the only place an argument may stand, so whatever
+    its value, it stays one label value. KeyError: an argument without a value; ValueError: a
+    placeholder outside a double-quoted string, or a value `arg_problem` refuses."""
+    out, last = [], 0
+    for m in _ARG.finditer(template):
+        name = m.group(1)
+        if _quoting(template, m.start()) != '"':
+            raise ValueError(f"{{{{args.{name}}}}} may only stand inside a double-quoted string "
+                             f'(a label value, e.g. job="{{{{args.{name}}}}}")')
+        if name not in args:
+            raise KeyError(f"argument {name!r} has no value (give it in spec.analysis.args)")
+        problem = arg_problem(args[name])
+        if problem is not None:
+            raise ValueError(f"argument {name!r} {problem}")
+        out += [template[last:m.start()], _quote(args[name])]
+        last = m.end()
+    return "".join(out) + template[last:]
+
+
+def _quoting(text: str, at: int) -> str | None:
+    """The string quote (`"`, `'` or a backtick) open at `text[at]`, `#` within a comment, or None."""
+    open_, i = None, 0
+    while i < at:
+        c = text[i]
+        if open_ is None:
+            if c in "\"'`#":
+                open_ = c
+        elif open_ == "#":
+            if c == "\n":
+                open_ = None
+        elif c == "\\" and open_ != "`":
+            i += 1
+        elif c == open_:
+            open_ = None
+        i += 1
+    return open_
+
+
+# PromQL, as far as telling vector selectors apart: the words that are no metric name
+_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring", "group_left",
+             "group_right", "atan2", "inf", "nan", "start", "end"}
+_LABEL_LISTS = {"by", "without", "on", "ignoring", "group_left", "group_right"}
+_TOKEN = re.compile(r"""
+    (?P<space>\s+) | (?P<comment>\#[^\n]*)
+  | (?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|`[^`]*`)
+  | (?P<number>(?:0[xX][0-9a-fA-F]+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\w*)
+  | (?P<ident>[A-Za-z_:][A-Za-z0-9_:]*)
+  | (?P<matcher>=~|!~|!=|==|<=|>=|=)
+  | (?P<punct>[{}()\[\],+\-*/%^<>@:])
+""", re.VERBOSE | re.DOTALL)
+
+
+class QueryError(ValueError):
+    """A query the scope check cannot read."""
+
+
+def _tokens(query: str) -> list[tuple[str, str]]:
+    out, i = [], 0
+    while i < len(query):
+        m = _TOKEN.match(query, i)
+        if m is None:
+            raise QueryError(f"cannot read the query at character {i + 1} ({query[i:i + 20]!r})")
+        if m.lastgroup not in ("space", "comment"):
+            out.append((m.lastgroup, m.group()))
+        i = m.end()
+    return out
+
+
+def _unquote(literal: str) -> str:
+    if literal[0] == "`":
+        return literal[1:-1]
+    return re.sub(r"\\(.)", lambda m: {"n": "\n", "t": "\t"}.get(m.group(1), m.group(1)), literal[1:-1])
+
+
+def vector_selectors(query: str) -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """Each vector selector of `query` as (metric name or '', [(label, op, value)]); QueryError for
+    a query it cannot read (unbalanced brackets, a character PromQL has not)."""
+    toks, out, i = _tokens(query), [], 0
+    while i < len(toks):
+        kind, text = toks[i]
+        nxt = toks[i + 1][1] if i + 1 < len(toks) else None
+        if kind == "ident" and text.lower() in _LABEL_LISTS and nxt == "(":
+            i = _skip(toks, i + 1, "(", ")")          # by (le, instance): label names, no selectors
+            continue
+        if text == "[":
+            i = _skip(toks, i, "[", "]")              # a range or subquery's durations
+            continue
+        if kind == "ident" and (text.lower() in _KEYWORDS or nxt == "("
+                                or (nxt or "").lower() in ("by", "without")):   # sum by (le) (...)
+            i += 1                                    # an operator, a function or an aggregation
+            continue
+        if kind == "ident" or text == "{":
+            name = text if kind == "ident" else ""
+            if kind == "ident":
+                i += 1
+            matchers: list[tuple[str, str, str]] = []
+            if i < len(toks) and toks[i][1] == "{":
+                i, matchers = _matchers(toks, i + 1)
+            out.append((name, matchers))
+            continue
+        if text in ("}", "]"):
+            raise QueryError(f"unbalanced {text!r} in the query")
+        i += 1
+    return out
+
+
+def _skip(toks: list[tuple[str, str]], i: int, left: str, right: str) -> int:
+    depth = 0
+    for j in range(i, len(toks)):
+        depth += (toks[j][1] == left) - (toks[j][1] == right)
+        if depth == 0:
+            return j + 1
+    raise QueryError(f"unbalanced {left!r} in the query")
+
+
+def _matchers(toks: list[tuple[str, str]], i: int) -> tuple[int, list[tuple[str, str, str]]]:
+    out = []
+    while i < len(toks) and toks[i][1] != "}":
+        kind, text = toks[i]
+        if kind not in ("ident", "string"):
+            raise QueryError(f"unexpected {text!r} in a label matcher")
+        label = text if kind == "ident" else _unquote(text)
+        if i + 2 < len(toks) and toks[i + 1][0] == "matcher" and toks[i + 2][0] == "string":
+            out.append((label, toks[i + 1][1], _unquote(toks[i + 2][1])))
+            i += 3
+        elif kind == "string":                        # {"metric.name"}: the metric's name
+            out.append(("__name__", "=", label))
+            i += 1
+        else:
+            raise QueryError(f"label {label!r} has no matcher (label=\"value\")")
+        if i < len(toks) and toks[i][1] == ",":
+            i += 1
+    if i >= len(toks):
+        raise QueryError("unbalanced '{' in the query")
+    return i + 1, out
+
+
+_SCOPE = "\x00namespace\x00"     # stands for {{namespace}} while a query is checked: no real value is it
+
+
+def unscoped_selectors(query: str) -> list[str]:
+    """The vector selectors of a custom query (placeholders as written) that do not carry
+    `namespace="{{namespace}}"`, as written in the message; QueryError when it cannot be read."""
+    variables = {v: "x" for v in TEMPLATE_VARS} | {"namespace": _SCOPE, "window": "1m"}
+    filled = _VAR.sub(lambda m: _SCOPE if m.group(1) == "namespace" else variables.get(m.group(1), "x"), query)
+    out = []
+    for name, matchers in vector_selectors(filled):
+        if ("namespace", "=", _SCOPE) not in matchers:
+            out.append(name or "{" + ",".join(f'{k}{op}"{v}"' for k, op, v in matchers) + "}")
+    return out
 
 
 def _quote(value: str) -> str:
@@ -121,15 +289,23 @@ def _sel(ctx: Context, side: str, **extra: str) -> str:
 # requests makes clients time out, and a hung request never reaches `error`. Clients also hang up
 # for their own reasons (a user stops a chat), but they do so on both sides alike, so the difference
 # stays honest. Absolute checks count `error` alone: hang-ups would be background noise there.
+# In an absolute check a hang-up is never an error: it judges the requests the engine answered
+# (`answered`: every status but a hang-up), so a client giving up neither counts as an error nor
+# dilutes the rate.
 FAILED = "failed"
-FAILED_STATUSES = ("error", "abandoned")
+ANSWERED = "answered"
+HANGUPS = ("abandoned", "cancelled")     # the client hung up before the answer was done
+FAILED_STATUSES = ("error", *HANGUPS)
 
 
 def count_query(ctx: Context, side: str, window: float, status: str | None = None) -> str:
-    """Requests of `side` over `window`: all, one `status`, or `failed` (any of FAILED_STATUSES)."""
-    selector = _sel(ctx, side, **({"status": status} if status and status != FAILED else {}))
+    """Requests of `side` over `window`: all, one `status`, `failed` (any of FAILED_STATUSES), or
+    `answered` (all but HANGUPS)."""
+    selector = _sel(ctx, side, **({"status": status} if status and status not in (FAILED, ANSWERED) else {}))
     if status == FAILED:
         selector = selector[:-1] + f',status=~"{"|".join(FAILED_STATUSES)}"}}'
+    elif status == ANSWERED:
+        selector = selector[:-1] + f',status!~"{"|".join(HANGUPS)}"}}'
     return f"sum(increase({REQUESTS}{selector}[{promql_duration(window)}]))"
 
 
@@ -166,8 +342,8 @@ def plan(check, ctx: Context, window: float) -> list[Series]:
                        promql=shadow_query(ctx, window, result)) for result in (COMPARED, DIVERGENT)]
     if kind == "rate":
         status = "ok" if check.metric == "success-rate" else "error"
-        return [Series("canary_requests", "count", CANARY, None, window=window,
-                       promql=count_query(ctx, CANARY, window)),
+        return [Series("canary_requests", "count", CANARY, ANSWERED, window=window,
+                       promql=count_query(ctx, CANARY, window, ANSWERED)),
                 Series("canary_matching", "count", CANARY, status, window=window,
                        promql=count_query(ctx, CANARY, window, status))]
     if kind == "difference":

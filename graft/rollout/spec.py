@@ -615,6 +615,7 @@ def _analysis(r: _Reader, value: Any, path: str, templates: Templates) -> Analys
     args = _args(r, d.get("args"), f"{path}.args")
 
     lists: dict[str, list[tuple[dict, str]]] = {"breakers": [], "gates": []}
+    trusted: set[str] = set()      # a ClusterPatchAnalysisTemplate's checks: the cluster administrator's queries
     for name, cluster in refs:
         template = templates.get((name, cluster))
         if template is None:
@@ -631,6 +632,8 @@ def _analysis(r: _Reader, value: Any, path: str, templates: Templates) -> Analys
             for i, item in enumerate(items):
                 lists[key].append((_with_args(r, item, targs, f"{where}: spec.{key}[{i}]"),
                                    f"{where}: spec.{key}[{i}]"))
+                if cluster:
+                    trusted.add(f"{where}: spec.{key}[{i}]")
     own_given = any(k in d for k in ("breakers", "gates"))
     for key in ("breakers", "gates"):
         items = d.get(key)
@@ -655,6 +658,8 @@ def _analysis(r: _Reader, value: Any, path: str, templates: Templates) -> Analys
             check = _check(r, item, where, role)
             if check is None:
                 continue
+            if check.query is not None and where not in trusted and not r.errors_at(f"{where}.query"):
+                _scoped(r, check.query, f"{where}.query")
             if check.name in seen:
                 r.fail(f"{where}.name", f"duplicate {role} {check.name!r}")
             seen.add(check.name)
@@ -728,6 +733,10 @@ def _args(r: _Reader, value: Any, path: str, need_values: bool = True) -> dict[s
         r.known(d, f"{path}[{i}]", ("name", "value"))
         name = r.string(d, "name", f"{path}[{i}]", r"[A-Za-z][A-Za-z0-9_]{0,62}")
         text = r.string(d, "value", f"{path}[{i}]", required=need_values)
+        problem = queries.arg_problem(text) if text is not None else None
+        if problem is not None:
+            r.fail(f"{path}[{i}].value", problem)
+            text = None
         if name and text is not None:
             out[name] = text
     return out
@@ -739,9 +748,25 @@ def _with_args(r: _Reader, item: Any, args: dict[str, str], where: str) -> Any:
         return item
     try:
         return {**item, "query": queries.fill_args(item["query"], args)}
-    except KeyError as e:
+    except (KeyError, ValueError) as e:
         r.fail(f"{where}.query", str(e.args[0]))
         return item
+
+
+def _scoped(r: _Reader, query: str, path: str) -> None:
+    """A query written in the rollout's namespace reads that namespace only: every vector selector
+    carries namespace="{{namespace}}" (Prometheus would answer it about every namespace)."""
+    try:
+        unscoped = queries.unscoped_selectors(query)
+    except queries.QueryError as e:
+        r.fail(path, f"{e}; a custom query must be PromQL whose every vector selector carries "
+                     'namespace="{{namespace}}"')
+        return
+    if unscoped:
+        r.fail(path, f"every vector selector must carry namespace=\"{{{{namespace}}}}\" (the rollout's own "
+                     f"namespace); missing in: {', '.join(unscoped[:5])}"
+                     + ("" if len(unscoped) <= 5 else f" and {len(unscoped) - 5} more")
+                     + ". Only a ClusterPatchAnalysisTemplate's queries may read other namespaces")
 
 
 def _check(r: _Reader, value: Any, path: str, role: str) -> Check | None:

@@ -12,6 +12,8 @@ import helm_python as helm
 import pytest
 import yaml
 
+from graft.operator.settings import OperatorSettings
+
 from tests.deploy.manifests import (CHART, CRDS, DEPLOY, NAMESPACE, RELEASE, containers, crd_errors,
                                     env_of, k8s_errors, load_docs, notes, of_kind, one, pod_template,
                                     render, selects, validation_errors)
@@ -211,6 +213,21 @@ def test_operator_gets_prometheus_address_and_admin_token_secret(chart):
     port = next(p["containerPort"] for p in operator["ports"] if p["name"] == "health")
     assert f"--liveness=http://0.0.0.0:{port}/healthz" in operator["args"]
     assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert "GRAFT_PROMETHEUS_ALLOWED" not in env, "by default rollouts may name no other Prometheus"
+
+
+def test_operator_gets_the_prometheus_addresses_rollouts_may_name(chart):
+    values = {"prometheus": {"address": "http://prom.obs:9090",
+                             "allowedAddresses": ["https://thanos.obs:10902", "http://prom.team:9090/org"]}}
+    (operator,) = containers(one(render(chart, values), "StatefulSet"))
+    value = env_of(operator)["GRAFT_PROMETHEUS_ALLOWED"]["value"]
+    assert value == "https://thanos.obs:10902,http://prom.team:9090/org"
+    settings = OperatorSettings.from_env({"GRAFT_PROMETHEUS_ADDRESS": "http://prom.obs:9090",
+                                          "GRAFT_PROMETHEUS_ALLOWED": value})
+    assert settings.prometheus_prefixes == ["http://prom.obs:9090", "https://thanos.obs:10902",
+                                            "http://prom.team:9090/org"]
+    with pytest.raises(Exception, match="allowedAddresses"):
+        render(chart, {"prometheus": {"address": "http://prom.obs:9090", "allowedAddresses": ["prom:9090"]}})
 
 
 # security

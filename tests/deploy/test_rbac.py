@@ -232,13 +232,9 @@ def test_chart_grants_exactly_the_calls_of_the_operator_and_kopf(chart, scope):
         assert not allowed(bindings, "", "pods", "list", "kube-system", None)
 
 
-NO_PROMETHEUS_SECRETS = {"rbac": {"prometheusSecrets": False}}
-
-
 @pytest.mark.parametrize("values", [{}, SCOPES["namespace"], {"adminToken": {"existingSecret": "fleet-token"}}],
                          ids=["cluster", "namespace", "existing-secret"])
 def test_admin_token_is_readable_by_name_in_the_release_namespace_only(chart, values):
-    values = {**values, "rbac": {**values.get("rbac", {}), **NO_PROMETHEUS_SECRETS["rbac"]}}
     objs = render(chart, values)
     bindings = bound_rules(objs, one(objs, "ServiceAccount")["metadata"]["name"])
     secret = values.get("adminToken", {}).get("existingSecret", SECRET)
@@ -248,20 +244,52 @@ def test_admin_token_is_readable_by_name_in_the_release_namespace_only(chart, va
     assert not allowed(bindings, "", "secrets", "list", NAMESPACE, None)
 
 
-@pytest.mark.parametrize("scope", list(SCOPES))
-def test_secrets_a_rollout_names_for_prometheus_are_readable_where_it_runs_unless_turned_off(chart, scope):
-    def bindings(values):
-        objs = render(chart, values)
-        return bound_rules(objs, one(objs, "ServiceAccount")["metadata"]["name"])
+def secret_rules(objs: list[dict], kind: str) -> list[dict]:
+    return [rule for o in of_kind(objs, kind) for rule in o["rules"] if "secrets" in rule["resources"]]
 
-    on = bindings(SCOPES[scope])
-    assert allowed(on, "", "secrets", "get", SERVED, "prometheus-token")
-    assert not allowed(on, "", "secrets", "list", SERVED, None)
-    assert not allowed(on, "", "secrets", "watch", SERVED, None)
-    rbac = {**SCOPES[scope].get("rbac", {}), "prometheusSecrets": False}
-    off = bindings({**SCOPES[scope], "rbac": rbac})
-    assert not allowed(off, "", "secrets", "get", SERVED, "prometheus-token")
-    assert allowed(off, "", "secrets", "get", NAMESPACE, SECRET)
+
+@pytest.mark.parametrize("scope", list(SCOPES))
+def test_by_default_no_secret_is_readable_beyond_the_admin_token(chart, scope):
+    objs = render(chart, SCOPES[scope])
+    assert secret_rules(objs, "ClusterRole") == []
+    assert [r for r in secret_rules(objs, "Role") if not r.get("resourceNames")] == []
+    bindings = bound_rules(objs, one(objs, "ServiceAccount")["metadata"]["name"])
+    assert not allowed(bindings, "", "secrets", "get", SERVED, "prometheus-token")
+    assert allowed(bindings, "", "secrets", "get", NAMESPACE, SECRET)
+    env = {e["name"]: e.get("value") for e in pod_template(one(objs, "StatefulSet"))["spec"]["containers"][0]["env"]}
+    assert "GRAFT_PROMETHEUS_SECRET_NAMESPACES" not in env
+
+
+@pytest.mark.parametrize("scope", list(SCOPES))
+def test_prometheus_secrets_are_granted_by_namespaced_roles_only(chart, scope):
+    granted_in = [SERVED] if scope == "namespace" else [SERVED, "obs"]
+    rbac = {**SCOPES[scope].get("rbac", {}), "prometheusSecrets": True}
+    if scope == "cluster":
+        rbac["prometheusSecretNamespaces"] = granted_in
+    objs = render(chart, {**SCOPES[scope], "rbac": rbac})
+    assert secret_rules(objs, "ClusterRole") == []
+    roles = [o for o in of_kind(objs, "Role") if any("secrets" in r["resources"] and not r.get("resourceNames")
+                                                     for r in o["rules"])]
+    assert sorted(o["metadata"]["namespace"] for o in roles) == sorted(granted_in)
+    bindings = bound_rules(objs, one(objs, "ServiceAccount")["metadata"]["name"])
+    for ns in granted_in:
+        assert allowed(bindings, "", "secrets", "get", ns, "prometheus-token")
+        assert not allowed(bindings, "", "secrets", "list", ns, None)
+        assert not allowed(bindings, "", "secrets", "watch", ns, None)
+    assert not allowed(bindings, "", "secrets", "get", "kube-system", "prometheus-token")
+    env = {e["name"]: e.get("value") for e in pod_template(one(objs, "StatefulSet"))["spec"]["containers"][0]["env"]}
+    assert env["GRAFT_PROMETHEUS_SECRET_NAMESPACES"] == ",".join(granted_in)
+
+
+def test_prometheus_secrets_in_cluster_scope_need_a_list_of_namespaces(chart):
+    with pytest.raises(Exception, match="rbac.prometheusSecretNamespaces"):
+        render(chart, {"rbac": {"prometheusSecrets": True}})
+
+
+def test_prometheus_secret_namespaces_must_be_served_in_namespace_scope(chart):
+    with pytest.raises(Exception, match="kube-system is not one of watch.namespaces"):
+        render(chart, {**SCOPES["namespace"], "rbac": {"scope": "namespace", "prometheusSecrets": True,
+                                                       "prometheusSecretNamespaces": ["kube-system"]}})
 
 
 @pytest.mark.parametrize("scope", list(SCOPES))

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import httpx
 import pytest
@@ -15,6 +16,7 @@ from tests.support import ROOT, start_engine
 
 pytestmark = pytest.mark.slow
 NO_MODEL = "/nonexistent/model.gguf"   # a setting checked before the model loads never gets this far
+OVERLAP = 3.0                           # the engine's --admin-token-overlap
 
 
 def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -36,6 +38,10 @@ def test_a_malformed_graft_patches_stops_the_engine_with_one_line_before_the_mod
     (["--admin-tls-cert", "cert.pem"], "--admin-tls-key"),
     (["--admin-tls-cert", "missing.pem", "--admin-tls-key", "missing.key"], "--admin-tls-cert"),
     (["--bundle-timeout", "0"], "--bundle-timeout"),
+    (["--admin-token-overlap", "-1"], "--admin-token-overlap"),
+    (["--min-patch-version", "demo"], "--min-patch-version"),
+    (["--revoked-digests", "missing.txt"], "--revoked-digests"),
+    (["--revoked-digests", "k.pub"], "--revoked-digests"),
 ])
 def test_contradictory_or_missing_admin_settings_stop_the_engine_before_the_model_loads(tmp_path, args, says):
     (tmp_path / "k.pub").write_text("not a key")
@@ -62,7 +68,7 @@ def engine(tmp_path_factory):
     secret = tmp / "secret"
     secret.mkdir()
     secret_volume(secret, "first-token", 1)
-    eng = start_engine(tmp, host="127.0.0.2", token="first-token",
+    eng = start_engine(tmp, "--admin-token-overlap", str(OVERLAP), host="127.0.0.2", token="first-token",
                        env={"GRAFT_ADMIN_TOKEN_FILE": str(secret / "token"), "GRAFT_ADMIN_TOKEN": "ignored"})
     eng.secret = secret
     yield eng
@@ -102,6 +108,10 @@ def test_a_rotated_token_file_takes_effect_without_a_restart(engine):
 
     assert status("first-token") == 200 and status("ignored") == 403
     secret_volume(engine.secret, "second-token", 2)
+    rotated = time.monotonic()
     assert status("second-token") == 200      # the very next request sees the new file
-    assert status("first-token") == 403
+    assert status("first-token") == 200       # ... and the previous token still works, for the overlap
+    assert status("ignored") == 403
+    time.sleep(max(0.0, rotated + OVERLAP + 0.5 - time.monotonic()))
+    assert status("first-token") == 403 and status("second-token") == 200
     assert engine.proc.poll() is None

@@ -26,7 +26,12 @@ def keys(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, keys):
-    eng = start_engine(tmp_path_factory.mktemp("secure"), "--trusted-key", str(keys / "trusted.pub"))
+    tmp = tmp_path_factory.mktemp("secure")
+    revoked = tmp / "revoked-digests"
+    revoked.write_text("# bundles this engine refuses\n")
+    eng = start_engine(tmp, "--trusted-key", str(keys / "trusted.pub"), "--min-patch-version", "demo=1.0.1",
+                       "--revoked-digests", str(revoked))
+    eng.revoked = revoked
     yield eng
     eng.stop()
 
@@ -43,8 +48,8 @@ def bundle(marker, body: str = "") -> str:
     """)
 
 
-def signed(source: str, key, name: str = "kv-align", version: str = "9.9.9") -> str:
-    return sign(name, version, digest_of(source), key.read_bytes())
+def signed(source: str, key, name: str = "kv-align", version: str = "9.9.9", **kwargs) -> str:
+    return sign(name, version, digest_of(source), key.read_bytes(), **kwargs)
 
 
 def post(eng, body, token: str | None = "__default__") -> httpx.Response:
@@ -79,6 +84,38 @@ def test_malformed_bodies_are_400(engine, body):
     r = post(engine, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"]
+
+
+BUILTIN = '{"name": "kv-align", "version": "3.2.1", "source": {"builtin": %s}%s}'
+
+
+@pytest.mark.parametrize("body,says", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"a": ' * 65 + "1" + "}" * 65, "nested too deeply"),
+    (BUILTIN % ("true", ', "config": {"n": ' + "9" * 100_000 + "}"), "more than 4300 digits"),
+    (BUILTIN % ("true", ', "config": {"n": 1e999}'), "beyond the range"),
+    (BUILTIN % ("true", ', "config": {"n": NaN}'), "NaN"),
+    ('{"name": "kv-align", "version": "9.9.9", "source": {"module": "x = \'\\ud800\'", "digest": "sha256:'
+     + "0" * 64 + '"}}', "lone surrogate"),
+    (BUILTIN % ("false", ""), "must be true"),
+    (BUILTIN % ("1", ""), "must be true"),
+    (BUILTIN % ('"true"', ""), "must be true"),
+    (BUILTIN % ("{}", ""), "must be true"),
+])
+def test_hostile_bodies_are_400_with_a_reason_and_apply_nothing(engine, body, says):
+    r = post(engine, body)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]
+    with engine.admin() as admin:
+        assert admin.get("/admin/patches").json()["revision"] == "base"
+    assert still_serving(engine)
+
+
+def test_a_body_over_the_limit_is_413(engine):
+    big = '{"name": "kv-align", "version": "3.2.1", "source": {"builtin": true}, "pad": "' + "x" * (5 << 20) + '"}'
+    r = post(engine, big)
+    assert r.status_code == 413 and "MiB" in r.json()["error"]["message"], r.text
+    assert still_serving(engine)
 
 
 def test_unknown_patch_is_404(engine):
@@ -153,3 +190,64 @@ def test_the_admin_api_refuses_to_start_without_a_token():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "--admin-insecure" in r.stderr
+
+
+def demo_bundle(version: str) -> str:
+    return textwrap.dedent(f"""
+        from graft.engine import attention
+        from graft.engine.patches.base import Patch
+        def patches():
+            return [Patch("demo", {version!r}, {{"kv.gather": attention.gather_aligned}})]
+    """)
+
+
+def demo_body(source: str, version: str, signature: str, **extra) -> dict:
+    return {"name": "demo", "version": version, "source": {"module": source, "digest": digest_of(source),
+                                                            "signature": signature}, **extra}
+
+
+def test_an_old_signed_version_cannot_be_replayed_over_its_fix(engine, keys):
+    key = keys / "trusted.key"
+    fixed, vulnerable = demo_bundle("1.0.1"), demo_bundle("1.0.0")
+    r = post(engine, demo_body(fixed, "1.0.1", signed(fixed, key, "demo", "1.0.1")))
+    assert r.status_code == 200, r.text
+    try:
+        r = post(engine, demo_body(vulnerable, "1.0.0", signed(vulnerable, key, "demo", "1.0.0"), replace=True))
+        assert r.status_code == 403, r.text
+        assert "--min-patch-version demo=1.0.1" in r.json()["error"]["message"]
+        with engine.admin() as admin:
+            assert admin.get("/admin/patches").json()["revision"] == "demo@1.0.1"
+    finally:
+        with engine.admin() as admin:
+            admin.delete("/admin/patches/demo")
+
+
+def test_expired_and_other_config_signatures_are_403(engine, keys):
+    key = keys / "trusted.key"
+    source = demo_bundle("2.0.0")
+    expired = post(engine, demo_body(source, "2.0.0", signed(source, key, "demo", "2.0.0", expires=1_000_000_000)))
+    assert expired.status_code == 403 and "expired at 2001-09-09T01:46:40Z" in expired.json()["error"]["message"]
+    other = post(engine, demo_body(source, "2.0.0", signed(source, key, "demo", "2.0.0", config={"a": 1}),
+                                   config={"a": 2}))
+    assert other.status_code == 403 and "config" in other.json()["error"]["message"], other.text
+    with engine.admin() as admin:
+        assert admin.get("/admin/patches").json()["revision"] == "base"
+    ok = post(engine, demo_body(source, "2.0.0", signed(source, key, "demo", "2.0.0", config={"a": 2}),
+                                config={"a": 2}))
+    assert ok.status_code == 200, ok.text
+    with engine.admin() as admin:
+        assert admin.delete("/admin/patches/demo").json()["revision"] == "base"
+
+
+def test_a_revoked_digest_is_403_once_the_file_lists_it(engine, keys):
+    source = demo_bundle("3.0.0")
+    body = demo_body(source, "3.0.0", signed(source, keys / "trusted.key", "demo", "3.0.0"))
+    engine.revoked.write_text(f"# vulnerable\n{digest_of(source)}\n")
+    try:
+        r = post(engine, body)
+        assert r.status_code == 403 and "revoked" in r.json()["error"]["message"], r.text
+    finally:
+        engine.revoked.write_text("")
+    assert post(engine, body).status_code == 200
+    with engine.admin() as admin:
+        assert admin.delete("/admin/patches/demo").json()["revision"] == "base"

@@ -26,7 +26,8 @@ BLOCKER = "Count the numbers one by one, slowly, and say each of them in words: 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    eng = start_engine(tmp_path_factory.mktemp("fields"), "--dtype", "float32",
+    eng = start_engine(tmp_path_factory.mktemp("fields"), "--dtype", "float32", "--tenant-header", "x-tenant",
+                       "--priority-header", "x-priority",
                        "--kv-cache-memory", str((2 + PROBE_BLOCKS) * BLOCK_BYTES))
     yield eng
     eng.stop()
@@ -72,8 +73,10 @@ def admission_rounds(engine, requests: list[tuple[str, dict]]) -> list[set[str]]
     lock = threading.Lock()
 
     def send(name: str, extra: dict) -> None:
+        extra = dict(extra)
+        headers = extra.pop("headers", {})
         body = {"prompt": f"Request {name}: say hi.", "max_tokens": 2, "temperature": 0, **extra}
-        r = complete(engine.url, **body)
+        r = httpx.post(engine.url + "/v1/completions", json={"model": MODEL, **body}, headers=headers, timeout=120)
         assert r.status_code == 200, r.text
         with lock:
             done.append(name)
@@ -108,9 +111,27 @@ def test_a_lower_priority_value_is_admitted_first_whatever_its_arrival(engine):
     assert rounds == [{"urgent", "normal"}, {"late-1", "late-2"}]
 
 
-def test_user_is_the_tenant_and_tenants_take_turns_within_an_admission(engine):
+def tenant(name: str) -> dict:
+    return {"headers": {"x-tenant": name}}
+
+
+def test_the_gateway_header_is_the_tenant_and_tenants_take_turns_within_an_admission(engine):
     # a burst from tenant a, then one request each from b and c: each round admits one request per
-    # tenant before a second from any; with `user` ignored the rounds would follow arrival order
-    rounds = admission_rounds(engine, [("a1", {"user": "a"}), ("a2", {"user": "a"}), ("a3", {"user": "a"}),
-                                       ("b1", {"user": "b"}), ("c1", {"user": "c"})])
+    # tenant before a second from any; with the header ignored the rounds would follow arrival order
+    rounds = admission_rounds(engine, [("a1", tenant("a")), ("a2", tenant("a")), ("a3", tenant("a")),
+                                       ("b1", tenant("b")), ("c1", tenant("c"))])
     assert rounds == [{"a1", "b1"}, {"c1", "a2"}, {"a3"}]
+
+
+def test_a_client_chosen_user_wins_no_turns(engine):
+    # fresh `user` names per request from one connection: one tenant (the peer), arrival order
+    rounds = admission_rounds(engine, [("a1", {"user": "a"}), ("a2", {"user": "b"}), ("a3", {"user": "c"}),
+                                       ("b1", tenant("b"))])
+    assert rounds == [{"a1", "b1"}, {"a2", "a3"}]
+
+
+def test_a_client_priority_is_clamped_and_the_gateway_header_is_believed(engine):
+    # clamped, the flood asks -1 at most; the gateway's -5 goes first, then arrival among equals
+    rounds = admission_rounds(engine, [("flood-1", {"priority": -(2**31)}), ("flood-2", {"priority": -(2**31)}),
+                                       ("gateway", {"headers": {"x-priority": "-5"}}), ("normal", {})])
+    assert rounds == [{"gateway", "flood-1"}, {"flood-2", "normal"}]

@@ -78,13 +78,15 @@ def prometheus():
 
 
 @pytest.fixture
-async def operator(cluster, namespace):
-    """`await operator(**settings)` starts an operator for the test's namespace; `.stop()` ends it."""
+async def operator(request, cluster, namespace):
+    """`await operator(**settings)` starts an operator for the test's namespace; `.stop()` ends it.
+    A test with the `prometheus` fixture may name that Prometheus (its rollouts' address)."""
     running = []
+    allowed = [request.getfixturevalue("prometheus").url] if "prometheus" in request.fixturenames else []
 
     async def start(**overrides):
         settings = OperatorSettings(namespaces=[namespace], tick=0.25, admin_token=TOKEN, admin_timeout=2.0,
-                                    admin_retries=1, prometheus_timeout=2.0,
+                                    admin_retries=1, prometheus_timeout=2.0, prometheus_allowed=list(allowed),
                                     kube_server=cluster.url, kubeconfig=cluster.kubeconfig)
         for key, value in overrides.items():
             setattr(settings, key, value)

@@ -57,15 +57,26 @@ class OperatorHandle:
 
 
 async def create_pod(kube: Kube, namespace: str, name: str, engine: FakeEngine, gated: bool = False) -> None:
-    """A pod for `engine`; `gated`: it declares the readiness gate graft.dev/patched and, as kubelet
-    would have it with the gate's condition not set, runs with its containers ready but is not Ready."""
+    """A pod for `engine`, as a workload's controller makes it: owned (controller ownerReference) by a
+    Deployment of its own name whose pod template is the pod's (every fake engine has its own admin
+    port, which the operator reads from the owner's template). `gated`: it declares the readiness
+    gate graft.dev/patched and, as kubelet would have it with the gate's condition not set, runs with
+    its containers ready but is not Ready."""
+    labels = {"app": "llm-engine"}
+    spec = {"containers": [{"name": "engine", "image": "graft:dev",
+                            "ports": [{"name": "http", "containerPort": 8000},
+                                      {"name": "admin", "containerPort": engine.port}]}],
+            **({"readinessGates": [{"conditionType": "graft.dev/patched"}]} if gated else {})}
+    owner = await kube.create(f"/apis/apps/v1/namespaces/{namespace}/deployments", {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+        "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                 "template": {"metadata": {"labels": labels}, "spec": spec}}})
     await kube.create(pods_path(namespace), {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": "llm-engine"}},
-        "spec": {"containers": [{"name": "engine", "image": "graft:dev",
-                                 "ports": [{"name": "http", "containerPort": 8000},
-                                           {"name": "admin", "containerPort": engine.port}]}],
-                 **({"readinessGates": [{"conditionType": "graft.dev/patched"}]} if gated else {})},
+        "metadata": {"name": name, "labels": dict(labels), "ownerReferences": [
+            {"apiVersion": "apps/v1", "kind": "Deployment", "name": name, "uid": owner["metadata"]["uid"],
+             "controller": True, "blockOwnerDeletion": True}]},
+        "spec": spec,
     })
     await set_pod_status(kube, namespace, name, engine, ready=not gated)
 

@@ -36,6 +36,7 @@ class FakeEngine:
     rotated_token: str | None = None   # a token rotation under way: `token` is refused ...
     refusals_left: int = 0             # ... this many more times, then `rotated_token` is the token
     refused: int = 0                   # admin calls refused for their token
+    tokens: list[str] = field(default_factory=list)   # the bearer token of every admin call, in order
     applied: dict[str, str] = field(default_factory=dict)      # name -> version
     posts: int = 0
     deletes: int = 0
@@ -88,6 +89,7 @@ class FakeEngine:
     # admin API
     def _authorized(self, request: web.Request) -> web.Response | None:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        self.tokens.append(given)
         if scheme.lower() != "bearer" or not given:
             return _error(401, "missing bearer token")
         if not hmac.compare_digest(given.encode(), self.token.encode()):

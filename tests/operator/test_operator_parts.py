@@ -84,15 +84,9 @@ def test_pod_observation_uses_the_engine_container():
     assert obs.ready and obs.track == "canary" and obs.patches == "kv@1"
 
 
-def test_admin_port_from_the_named_port_or_the_annotation_or_the_default():
-    assert admin_address(pod(), 8081) == ("10.1.2.3", 9001)
-    annotated = pod(metadata={"annotations": {"graft.dev/admin-port": "7000"}})
-    assert admin_address(annotated, 8081) == ("10.1.2.3", 7000)
-    unnamed = pod(spec={"containers": [{"name": "engine"}]})
-    assert admin_address(unnamed, 8081) == ("10.1.2.3", 8081)
+def test_the_admin_address_is_the_pod_ip_on_the_port_given():
+    assert admin_address(pod(), 8081) == ("10.1.2.3", 8081)
     assert admin_address(pod(status={"podIP": None}), 8081) is None
-    with pytest.raises(ValueError, match="graft.dev/admin-port"):
-        admin_address(pod(metadata={"annotations": {"graft.dev/admin-port": "http"}}), 8081)
 
 
 def test_readiness_needs_running_an_ip_and_the_ready_condition():
@@ -146,12 +140,16 @@ CM_PATH = "/api/v1/namespaces/ns/configmaps/bundle"
 async def test_bundle_source_carries_digest_and_signature():
     kube = kube_serving({CM_PATH: {"data": {"patch.py": BUNDLE, "patch.py.sig": "c2ln\n"}}})
     assert await load_source(kube, "ns", SOURCE) == {"module": BUNDLE, "digest": digest_of(BUNDLE), "signature": "c2ln"}
+    fresh = "v2:4000000000:c2ln"
+    kube = kube_serving({CM_PATH: {"data": {"patch.py": BUNDLE, "patch.py.sig": fresh}}})
+    assert (await load_source(kube, "ns", SOURCE))["signature"] == fresh
 
 
 @pytest.mark.parametrize("objects,reason,permanent", [
     ({}, "BundleMissing", False),
     ({CM_PATH: {"data": {"other.py": BUNDLE}}}, "BundleMissing", False),
     ({CM_PATH: {"data": {"patch.py": BUNDLE + "# changed"}}}, "DigestMismatch", True),
+    ({CM_PATH: {"data": {"patch.py": BUNDLE, "patch.py.sig": "v2:1000000000:c2ln"}}}, "SignatureExpired", False),
 ])
 async def test_bundle_problems(objects, reason, permanent):
     with pytest.raises(BundleError) as info:

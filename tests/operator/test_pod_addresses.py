@@ -1,37 +1,83 @@
-"""Where a pod's admin API is: a pod without an IP is asked again, a malformed annotation is final."""
+"""Which pods the operator calls, and where: only engines of a workload (a controller that exists with
+the ownerReference's uid and whose pod template runs the pod's containers), on the admin port of
+that template. A pod that merely carries the selector's labels gets no label, no call, no token."""
 import pytest
 
 from graft.operator.kube import pods_path
-from graft.operator.pods import BadAdminPort, NoPodIP
-from graft.rollout.observation import PERMANENT_ERRORS, PodError
+from graft.operator.pods import NOT_AN_ENGINE, NoPodIP
+from graft.rollout.observation import PodError
 
-from operator_cluster import create, events_with, manifest, phase_is, until
+from operator_cluster import TOKEN, create, events_with, manifest, phase_is, set_pod_status, until
+from operator_fakes import FakeEngine
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_an_address_error_says_whether_it_is_permanent():
+def test_a_pod_without_an_ip_is_asked_again():
     assert not PodError(NoPodIP("pod a has no IP yet").kind, "").permanent
-    malformed = BadAdminPort("annotation graft.dev/admin-port must be a port number, got 'http'")
-    assert PodError(malformed.kind, malformed.message).permanent
-    assert PERMANENT_ERRORS[malformed.kind] == "PodMisconfigured"
-    assert isinstance(malformed, ValueError), "callers that treat a bad annotation as bad input still do"
 
 
-async def test_a_malformed_admin_port_annotation_fails_the_rollout_at_once(cluster, namespace, fleet, operator,
-                                                                          prometheus):
-    """A pod template with a bad annotation: nothing but an edit of the pods fixes it, so the rollout
-    fails on its first tick, naming a pod and the annotation, rather than asking again until its
-    deadline."""
+async def trap(cluster, namespace, name, engine, owner=None, image="graft:dev"):
+    """A pod with the rollout's labels, played by `engine`, with `owner` as its controller ownerReference."""
+    await cluster.kube.create(pods_path(namespace), {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": "llm-engine"},
+                     **({"ownerReferences": [owner]} if owner else {})},
+        "spec": {"containers": [{"name": "engine", "image": image,
+                                 "ports": [{"name": "admin", "containerPort": engine.port}]}]}})
+    await set_pod_status(cluster.kube, namespace, name, engine)
+
+
+def owned_by(deployment: dict, uid: str | None = None) -> dict:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment["metadata"]["name"],
+            "uid": uid or deployment["metadata"]["uid"], "controller": True}
+
+
+async def test_pods_that_are_no_engines_get_no_call_no_token_and_no_label(cluster, namespace, fleet, operator,
+                                                                        prometheus):
     engines = await fleet(2)
-    for pod in ("engine-0", "engine-1"):
-        await cluster.kube.merge_patch(pods_path(namespace, pod),
-                                       {"metadata": {"annotations": {"graft.dev/admin-port": "http"}}})
-    await operator()
-    await create(cluster, namespace, manifest(prometheus))
-    obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Failed"), 20)
-    assert obj["status"]["reason"] == "PodMisconfigured"
-    assert obj["status"]["message"] == ("pod engine-0: annotation graft.dev/admin-port must be a port number "
-                                        "(1-65535), got 'http'; fix the pod template")
-    await until(lambda: events_with(cluster, namespace, "PodMisconfigured"), 10)
-    assert sum(e.posts for e in engines) == 0
+    traps = [await FakeEngine(f"127.0.0.{10 + i}", TOKEN).start() for i in range(3)]
+    try:
+        owner = await cluster.kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/engine-0")
+        await trap(cluster, namespace, "trap-orphan", traps[0])
+        await trap(cluster, namespace, "trap-forged", traps[1], owned_by(owner, uid="forged-uid"))
+        await trap(cluster, namespace, "trap-image", traps[2], owned_by(owner), image="attacker:latest")
+        await operator()
+        await create(cluster, namespace, manifest(prometheus))
+        await until(lambda: phase_is(cluster, namespace, "kv-align", "Promoted"), 60)
+        assert all(e.revision == "kv-align@3.2.1" for e in engines)
+        for t in traps:
+            assert (t.tokens, t.posts, t.deletes, t.applied) == ([], 0, 0, {}), "a trap pod was called"
+        assert all(TOKEN in e.tokens for e in engines)
+        for name in ("trap-orphan", "trap-forged", "trap-image"):
+            pod = await cluster.kube.get(pods_path(namespace, name))
+            assert "graft.dev/track" not in (pod["metadata"].get("labels") or {})
+        events = await until(lambda: events_with(cluster, namespace, NOT_AN_ENGINE), 10)
+        messages = sorted(e["message"] for e in events if e["reason"] == NOT_AN_ENGINE)
+        assert len(messages) == 3, messages     # once per pod
+        assert "pod trap-forged" in messages[0] and "has another uid" in messages[0]
+        assert "pod trap-image" in messages[1] and "image 'attacker:latest', not 'graft:dev'" in messages[1]
+        assert "pod trap-orphan" in messages[2] and "no controller ownerReference" in messages[2]
+    finally:
+        for t in traps:
+            await t.stop()
+
+
+async def test_a_rollout_over_no_engine_waits_and_says_why(cluster, namespace, needs_fake_pods, operator,
+                                                          prometheus):
+    engine = await FakeEngine("127.0.0.9", TOKEN).start()
+    try:
+        await trap(cluster, namespace, "trap-orphan", engine)
+        await operator()
+        await create(cluster, namespace, manifest(prometheus))
+        obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Pending"), 20)
+        obj = await until(lambda: _reason(cluster, namespace, NOT_AN_ENGINE), 20)
+        assert "only pods left alone (pod trap-orphan: it has no controller ownerReference" in obj["status"]["message"]
+        assert engine.tokens == [], "a pod left alone received an admin call"
+    finally:
+        await engine.stop()
+
+
+async def _reason(cluster, namespace, reason):
+    obj = await cluster.kube.get(f"/apis/graft.dev/v1alpha1/namespaces/{namespace}/patchrollouts/kv-align")
+    return obj if (obj.get("status") or {}).get("reason") == reason else None

@@ -321,8 +321,8 @@ class FakePrometheus:
 
 async def test_bearer_token_secret_and_headers_reach_prometheus(cluster, namespace, fleet, operator, prometheus):
     engines = await fleet(2)
-    await operator()
     async with FakePrometheus() as prom:
+        await operator(prometheus_allowed=[prom.url], prometheus_secret_namespaces=[namespace])
         analysis = {"prometheus": {"address": prom.url, "bearerTokenSecret": {"name": "prom-token", "key": "token"},
                                    "headers": [{"name": "X-Scope-OrgID", "value": "llm"}]},
                     "interval": "1s", "breakers": [{"name": "error-rate", "max": 0.05, "window": "2s"}]}

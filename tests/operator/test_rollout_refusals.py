@@ -184,3 +184,55 @@ async def test_a_bundle_re_packed_under_an_applied_version_fails_the_rollout_bef
     assert digest_of(BUNDLE) in status["message"] and digest_of(repacked) in status["message"]
     assert "give the re-packed bundle a new version" in status["message"]
     assert sum(e.posts for e in engines) == 0 and all(e.digests["kv-align"] == digest_of(BUNDLE) for e in engines)
+
+
+class Listener:
+    """A TCP listener on 127.0.0.1 that records every connection made to it (and answers none)."""
+
+    def __init__(self):
+        self.connections, self.url = 0, ""
+
+    async def __aenter__(self):
+        import asyncio
+
+        async def accept(reader, writer):
+            self.connections += 1
+            writer.close()
+        self.server = await asyncio.start_server(accept, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_a_prometheus_outside_the_allow_list_fails_the_rollout_and_is_never_asked(cluster, namespace, fleet,
+                                                                                        operator):
+    engines = await fleet(2)
+    await operator(prometheus_secret_namespaces=[namespace])
+    await cluster.kube.create(f"/api/v1/namespaces/{namespace}/secrets", {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "prom-token"},
+        "data": {"token": base64.b64encode(b"s3cret").decode()}})
+    async with Listener() as listener:
+        analysis = {"prometheus": {"address": listener.url,
+                                   "bearerTokenSecret": {"name": "prom-token", "key": "token"}},
+                    "breakers": [{"name": "error-rate", "max": 0.05}]}
+        await create(cluster, namespace, manifest(listener, analysis=analysis))
+        obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Failed"), 20)
+        assert obj["status"]["reason"] == "PrometheusNotAllowed"
+        assert obj["status"]["message"].startswith(f"spec.analysis.prometheus.address: {listener.url} is not a "
+                                                   "Prometheus this operator may ask")
+        await until(lambda: events_with(cluster, namespace, "PrometheusNotAllowed"), 10)
+    assert listener.connections == 0, "the operator connected to a Prometheus it may not ask"
+    assert sum(e.posts for e in engines) == 0, "refused before any pod is patched"
+
+
+async def test_prometheus_secrets_where_the_operator_reads_none_fail_the_rollout(cluster, namespace, operator):
+    await operator()
+    analysis = {"prometheus": {"caSecret": {"name": "prom-ca", "key": "ca.crt"}},
+                "breakers": [{"name": "error-rate", "max": 0.05}]}
+    await create(cluster, namespace, manifest(Listener(), analysis=analysis))   # the prometheus key is replaced
+    obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Failed"), 20)
+    assert obj["status"]["reason"] == "PrometheusSecretsNotAllowed"
+    assert f"reads no Prometheus Secrets in namespace {namespace}" in obj["status"]["message"]

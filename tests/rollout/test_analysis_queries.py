@@ -363,7 +363,9 @@ CTX = Context("llm", "kv@1", "base", "kv", "1")
 def test_rate_check_plans_requests_and_errors_of_the_canary():
     series = {s.key: s for s in plan(ERR, CTX, 60)}
     assert set(series) == {"canary_requests", "canary_matching"}
-    assert series["canary_requests"].promql == 'sum(increase(graft_requests_total{namespace="llm",revision="kv@1"}[60s]))'
+    # the requests the engine answered: a client's hang-up is neither an error nor in the denominator
+    assert series["canary_requests"].promql == \
+        'sum(increase(graft_requests_total{namespace="llm",revision="kv@1",status!~"abandoned|cancelled"}[60s]))'
     assert series["canary_matching"].promql == \
         'sum(increase(graft_requests_total{namespace="llm",revision="kv@1",status="error"}[60s]))'
     (ok,) = checks(gates=[{"name": "success-rate", "min": 0.99}]).gates
@@ -375,7 +377,7 @@ def test_difference_check_plans_both_sides():
     assert set(series) == {"canary_requests", "canary_errors", "stable_requests", "stable_errors"}
     # a comparison counts requests whose client hung up as failed: a hung patch makes clients time out
     assert series["stable_errors"] == \
-        'sum(increase(graft_requests_total{namespace="llm",revision="base",status=~"error|abandoned"}[42s]))'
+        'sum(increase(graft_requests_total{namespace="llm",revision="base",status=~"error|abandoned|cancelled"}[42s]))'
 
     assert 'revision="kv@1"}[42s]' in series["canary_requests"]
 
@@ -413,10 +415,10 @@ def test_cpu_check_joins_process_metrics_to_the_canary_revision():
 
 def test_custom_query_templating_and_escaping():
     a = checks(breakers=[{"name": "ttft", "max": 1, "window": "1.5s", "minSamples": 10,
-                          "query": 'x{ns="{{namespace}}",r="{{canaryRevision}}",p="{{patchName}}"}[{{window}}]'}])
+                          "query": 'x{namespace="{{namespace}}",r="{{canaryRevision}}",p="{{patchName}}"}[{{window}}]'}])
     (check,) = a.breakers
     series = {s.key: s.promql for s in plan(check, Context('a"b', "kv@1", "base", "kv", "1"), 1.5)}
-    assert series["value"] == 'x{ns="a\\"b",r="kv@1",p="kv"}[1500ms]'
+    assert series["value"] == 'x{namespace="a\\"b",r="kv@1",p="kv"}[1500ms]'
     assert "canary_requests" in series, "minSamples needs the canary's requests"
     assert is_comparison("{{ stableRevision }}") and not is_comparison("{{canaryRevision}}")
     with pytest.raises(KeyError, match="pod"):

@@ -101,7 +101,7 @@ def test_partial_analysis_gets_the_remaining_defaults_in_both():
     assert parse_spec(stored(m)["spec"]) == parse_spec(m["spec"])
 
 
-QUERY = 'histogram_quantile(0.9, rate(x{revision="{{canaryRevision}}"}[{{window}}]))'
+QUERY = 'histogram_quantile(0.9, rate(x{namespace="{{namespace}}",revision="{{canaryRevision}}"}[{{window}}]))'
 VALID = [
     manifest(),
     manifest(patch={"name": "kv-align", "version": "3.2.1",
@@ -227,7 +227,7 @@ def template(kind="PatchAnalysisTemplate", **spec):
 TEMPLATE_SPEC = {
     "args": [{"name": "tenant"}, {"name": "job", "value": "engine"}],
     "breakers": [{"name": "ttft-p99", "max": 0.8, "window": "30s", "consecutive": 1},
-                 {"name": "kv", "max": 0.25, "query": 'max(x{job="{{args.job}}",t="{{args.tenant}}"})'}],
+                 {"name": "kv", "max": 0.25, "query": 'max(x{namespace="{{namespace}}",job="{{args.job}}",t="{{args.tenant}}"})'}],
     "gates": [{"name": "success-rate", "min": 0.9995, "window": "60s"}],
 }
 
@@ -279,7 +279,7 @@ def test_templates_are_accepted_and_their_checks_run(kind):
     assert errors(rollout) == []
     spec = parse_spec(stored(rollout)["spec"], {("gpu-checks", cluster): stored(obj, TEMPLATES[kind])["spec"]})
     assert [c.key for c in spec.analysis.checks] == ["breaker/ttft-p99", "breaker/kv", "gate/success-rate"]
-    assert spec.analysis.breakers[1].query == 'max(x{job="engine",t="acme"})'
+    assert spec.analysis.breakers[1].query == 'max(x{namespace="{{namespace}}",job="engine",t="acme"})'
 
 
 @pytest.mark.parametrize("spec,path", [

@@ -15,7 +15,7 @@ def spec_with(**analysis_fields):
 
 DELTA = spec_with(gates=[{"name": "error-rate-delta", "max": 0.001}], breakers=[])
 FRAGMENTATION = spec_with(breakers=[], gates=[{"name": "kv-fragmentation", "max": 0.25, "window": "60s",
-                                               "query": 'max(graft_kv_cache_fragmentation_ratio)'}])
+                                               "query": 'max(graft_kv_cache_fragmentation_ratio{namespace="{{namespace}}"})'}])
 
 
 def judge(a, values, **kw):
@@ -75,7 +75,7 @@ def test_a_latency_check_reports_the_ratio_or_the_quantile():
 
 def test_no_data_under_pass_says_so():
     a = spec_with(noData="pass", breakers=[], gates=[{"name": "kv-fragmentation", "max": 0.25,
-                                                      "query": "max(graft_kv_cache_fragmentation_ratio)"}])
+                                                      "query": 'max(graft_kv_cache_fragmentation_ratio{namespace="{{namespace}}"})'}])
     r = judge(a, {"value": None})
     assert (r.verdict, r.message) == ("Successful", "kv-fragmentation: the query returned no data; noData: pass")
 
@@ -119,7 +119,7 @@ def test_min_samples_sets_the_floor_of_a_quantile_and_of_a_custom_value():
     a = spec_with(breakers=[{"name": "latency-p99", "max": 0.8, "minSamples": 50}], gates=[])
     assert judge(a, {"canary_quantile": 0.9, "canary_samples": 60}).verdict == "Failed"
     assert judge(a, {"canary_quantile": 0.9, "canary_samples": 40}).verdict == "Inconclusive"
-    c = spec_with(breakers=[], gates=[{"name": "kv", "max": 0.25, "minSamples": 100, "query": "max(up)"}])
+    c = spec_with(breakers=[], gates=[{"name": "kv", "max": 0.25, "minSamples": 100, "query": 'max(up{namespace="{{namespace}}"})'}])
     short = judge(c, {"value": 0.1, "canary_requests": 50})
     assert (short.verdict, short.short) == ("Inconclusive", True) and "fewer than minSamples 100" in short.message
     assert judge(c, {"value": 0.1, "canary_requests": 150}).verdict == "Successful"
@@ -167,6 +167,6 @@ def test_a_p99_on_exactly_200_samples_a_side_is_judged():
 
 def test_no_data_under_fail_says_so_for_a_gate():
     a = spec_with(noData="fail", breakers=[], gates=[{"name": "kv-fragmentation", "max": 0.25,
-                                                      "query": "max(graft_kv_cache_fragmentation_ratio)"}])
+                                                      "query": 'max(graft_kv_cache_fragmentation_ratio{namespace="{{namespace}}"})'}])
     r = judge(a, {"value": None})
     assert (r.verdict, r.message) == ("Failed", "kv-fragmentation: the query returned no data; noData: fail")

@@ -73,9 +73,10 @@ def test_a_patch_config_must_be_an_object():
 
 def test_a_query_may_be_as_long_as_the_limit_and_no_longer():
     def with_query(n):
-        q = "sum(up)" + " " * (n - len("sum(up)"))
+        q = 'sum(up{namespace="{{namespace}}"})'
+        q += " " * (n - len(q))
         return {**MINIMAL, "analysis": {"breakers": [{"name": "custom", "max": 1, "query": q}]}}
-    assert parse_spec(with_query(MAX_QUERY)).analysis.breakers[0].query.startswith("sum(up)")
+    assert parse_spec(with_query(MAX_QUERY)).analysis.breakers[0].query.startswith("sum(up{")
     assert errors(parse_spec, with_query(MAX_QUERY + 1)) == {
         "spec.analysis.breakers[0].query": f"must be at most {MAX_QUERY} characters"}
     assert MAX_QUERY == 8192
@@ -93,7 +94,7 @@ def test_a_boolean_is_no_integer():
 
 def test_a_rollout_may_have_twenty_checks_of_a_role_and_no_more():
     def with_breakers(n):
-        return {**MINIMAL, "analysis": {"breakers": [{"name": f"c{i}", "max": 1, "query": "max(up)"} for i in range(n)]}}
+        return {**MINIMAL, "analysis": {"breakers": [{"name": f"c{i}", "max": 1, "query": 'max(up{namespace="{{namespace}}"})'} for i in range(n)]}}
     assert len(parse_spec(with_breakers(20)).analysis.breakers) == 20
     assert errors(parse_spec, with_breakers(21)) == {"spec.analysis.breakers": "must have at most 20 items"}
 
@@ -113,7 +114,7 @@ def test_at_most_eight_templates():
 
 
 def test_only_a_custom_check_may_have_a_negative_maximum():
-    custom = {**MINIMAL, "analysis": {"breakers": [{"name": "drift", "max": -1, "query": "min(up) - 2"}]}}
+    custom = {**MINIMAL, "analysis": {"breakers": [{"name": "drift", "max": -1, "query": 'min(up{namespace="{{namespace}}"}) - 2'}]}}
     assert parse_spec(custom).analysis.breakers[0].max == -1
     built_in = {**MINIMAL, "analysis": {"breakers": [{"name": "error-rate", "max": -1}]}}
     assert errors(parse_spec, built_in) == {"spec.analysis.breakers[0].max": "must be at least 0"}

@@ -167,3 +167,42 @@ def test_the_builtin_cpu_check_is_evaluated_on_the_canary_engines_alone(promethe
     finally:
         prometheus.set_targets([])
         targets.close()
+
+
+def requests_engine(revision: str, per_second: dict[str, float]):
+    """An engine's request counter: `per_second` requests of each status."""
+    def body(seconds: float) -> str:
+        return "".join(f'graft_requests_total{{revision="{revision}",status="{status}"}} {rate * seconds:.3f}\n'
+                       for status, rate in per_second.items())
+    return body
+
+
+def test_a_client_hang_up_is_neither_an_error_nor_an_answered_request(prometheus):
+    """The error-rate and success-rate queries, evaluated on a canary answering 3 requests a second
+    (1 an error) while clients hang up on 6 more: the rates are over the 3 answered, so hang-ups
+    neither count as errors nor dilute the share (1/3 errors, 2/3 successes, not 1/9 and 2/9)."""
+    targets = MetricsTargets(requests_engine("kv-align@3.2.1", {"ok": 2.0, "error": 1.0, "abandoned": 4.0,
+                                                                "cancelled": 2.0}))
+    try:
+        prometheus.set_targets([(a, {"namespace": "llm"}) for a in targets.addresses])
+        analysis = parse_spec({"selector": {"matchLabels": {"app": "llm"}},
+                               "patch": {"name": "kv-align", "version": "3.2.1"},
+                               "analysis": {"breakers": [{"name": "error-rate", "max": 0.5}],
+                                            "gates": [{"name": "success-rate", "min": 0.5}]}}).analysis
+        ctx = Context("llm", "kv-align@3.2.1", "base", "kv-align", "3.2.1")
+        for check, share in ((analysis.breakers[0], 1 / 3), (analysis.gates[0], 2 / 3)):
+            series = plan(check, ctx, 10.0)
+            deadline, values = time.monotonic() + 40, {}
+            while not values or values["canary_requests"] < 20 or \
+                    abs(values["canary_matching"] / values["canary_requests"] - share) > 0.03:
+                assert time.monotonic() < deadline, (check.name, values)
+                values = {}
+                for s in series:
+                    result = httpx.get(f"{prometheus.url}/api/v1/query", params={"query": s.promql}).json()
+                    assert result["status"] == "success", result
+                    got = result["data"]["result"]
+                    values[s.key] = float(got[0]["value"][1]) if got else 0.0
+                time.sleep(0.5)
+    finally:
+        prometheus.set_targets([])
+        targets.close()

@@ -114,12 +114,12 @@ def test_custom_query_check():
     a = analysis(breakers=[{"name": "kv-fragmentation", "max": 0.25, "consecutive": 2, "window": "5m",
                             "query": 'max(x{namespace="{{namespace}}"})'}],
                  gates=[{"name": "itl-ratio", "max": 1.05, "minSamples": 500,
-                         "query": 'a{r="{{canaryRevision}}"} / a{r="{{stableRevision}}"}'}])
+                         "query": 'a{namespace="{{namespace}}",r="{{canaryRevision}}"} / a{namespace="{{namespace}}",r="{{stableRevision}}"}'}])
     frag, ratio = a.checks
     assert (frag.metric, frag.kind, frag.window, frag.consecutive, frag.comparison) == ("custom", "custom", 300, 2, False)
     assert (ratio.min_samples, ratio.comparison) == (500, True), "a query naming stableRevision compares"
-    (own,) = analysis(breakers=[{"name": "error-rate", "max": 0.01, "query": "sum(up)"}]).breakers
-    assert (own.metric, own.query) == ("custom", "sum(up)"), "a query makes even a built-in name custom"
+    (own,) = analysis(breakers=[{"name": "error-rate", "max": 0.01, "query": 'sum(up{namespace="{{namespace}}"})'}]).breakers
+    assert (own.metric, own.query) == ("custom", 'sum(up{namespace="{{namespace}}"})'), "a query makes even a built-in name custom"
 
 
 def test_prometheus_source_with_credentials():
@@ -134,7 +134,7 @@ def test_prometheus_source_with_credentials():
 TEMPLATE = {
     "args": [{"name": "job", "value": "engine"}, {"name": "tenant"}],
     "breakers": [{"name": "error-rate", "max": 0.01, "window": "30s", "consecutive": 2},
-                 {"name": "kv", "max": 0.25, "query": 'max(x{job="{{args.job}}",t="{{args.tenant}}"})'}],
+                 {"name": "kv", "max": 0.25, "query": 'max(x{namespace="{{namespace}}",job="{{args.job}}",t="{{args.tenant}}"})'}],
     "gates": [{"name": "error-rate-delta", "max": 0.002}],
 }
 
@@ -149,7 +149,7 @@ def test_template_checks_come_first_and_the_rollouts_own_replace_them_by_name_an
     assert [c.key for c in a.checks] == ["breaker/kv", "breaker/error-rate", "gate/error-rate-delta",
                                          "gate/success-rate"]
     kv, err = a.breakers
-    assert kv.query == 'max(x{job="engine",t="acme"})', "a template's default and the rollout's value fill args"
+    assert kv.query == 'max(x{namespace="{{namespace}}",job="engine",t="acme"})', "a template's default and the rollout's value fill args"
     assert (err.max, err.window, err.consecutive) == (0.02, 60, 1), "replaced whole, not merged"
     assert a.gates[0].max == 0.002 and a.templates == (("fleet-checks", True),)
 

@@ -373,14 +373,18 @@ class PatchManager:
         self.engine.awaiting = tuple(ref for ref in self.engine.awaiting if ref.partition("@")[0] != name)
 
     # resolution
-    def admit(self, name: str, version: str, source: Mapping[str, Any]) -> str:
-        """The digest of what the request may apply (`builtin` for a built-in); nothing runs before this."""
+    def admit(self, name: str, version: str, source: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> str:
+        """The digest of what the request may apply (`builtin` for a built-in); nothing runs before this.
+
+        A bundle's signature must cover `config`; `--min-patch-version` refuses built-ins too."""
         if "builtin" in source:
+            self.verifier.revocations.check(name, version, None)
             return "builtin"
         module = source.get("module")
         if not isinstance(module, str) or not module.strip():
             raise PatchError(400, "source.module must hold the bundle's Python source")
-        return self.verifier.verify(module, source.get("digest"), source.get("signature"), name=name, version=version)
+        return self.verifier.verify(module, source.get("digest"), source.get("signature"), name=name, version=version,
+                                    config=config)
 
     async def resolve(self, name: str, version: str, source: Mapping[str, Any], digest: str) -> Patch:
         if "builtin" in source:
@@ -460,7 +464,7 @@ class PatchManager:
         """
         self._loop = asyncio.get_running_loop()
         asked = self._reverts.get(name, 0)
-        digest = self.admit(name, version, source)   # refused at once: no wait behind another apply
+        digest = self.admit(name, version, source, config)   # refused at once: no wait behind another apply
         async with self._lock:
             self._still_wanted(name, version, asked)
             current = self.applied.get(name)
