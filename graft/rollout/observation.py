@@ -10,7 +10,7 @@ PERMANENT_ERRORS = {
     "unauthorized": "Unauthorized",     # 401 / 403 (wrong token, untrusted bundle)
     "unknown-patch": "UnknownPatch",    # 404
     "conflict": "PatchConflict",        # 409
-    "misconfigured": "PodMisconfigured",  # a malformed graft.dev/admin-port annotation
+    "misconfigured": "PodMisconfigured",  # an engine the operator cannot call as it is declared
 }
 MISCONFIGURED = "misconfigured"
 VERIFY_FAILED = "verify-failed"         # 422: the engine reverted it already
