@@ -53,7 +53,10 @@ def main_operator(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--liveness", default=None, help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--verbose", "-v", action="store_true")
     args = parser.parse_args(argv)
-    settings = OperatorSettings.from_env()
+    try:
+        settings = OperatorSettings.from_env()
+    except ValueError as e:
+        parser.error(str(e))     # a setting the operator cannot run with: said at once, exit 2
     if args.namespace and args.all_namespaces:
         parser.error("--namespace and --all-namespaces exclude each other")
     if args.namespace:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -409,17 +410,23 @@ class Reconciliation:
 
     def pod_error(self, pod: str, e: AdminError | AddressError) -> PodError:
         """What an admin call's failure means for the rollout. A refused token (401/403) is final only
-        after UNAUTHORIZED_TICKS ticks in a row: a rotated Secret reaches the operator (which re-reads
-        it at once) and the engines (which re-read their mounted file) at different moments."""
+        once the engine has refused it for `admin_token_grace` seconds and on UNAUTHORIZED_TICKS
+        ticks in a row: a rotated Secret reaches the operator (which re-reads it at once) and the
+        engines (kubelet refreshes their mounted file within a minute or two) at different moments.
+        The time is what a rotation needs; the ticks keep one slow tick from ending it early."""
         key = f"{self.namespace}/{pod}"
         if isinstance(e, AdminError) and e.kind == UNAUTHORIZED:
             self.runtime.invalidate_token()
-            seen = self.runtime.unauthorized[key] = self.runtime.unauthorized.get(key, 0) + 1
-            if seen < UNAUTHORIZED_TICKS:
-                return PodError(UNREACHABLE, f"{e.message} (the admin token may be rotating; "
-                                             f"try {seen} of {UNAUTHORIZED_TICKS})")
-        else:
-            self.runtime.unauthorized.pop(key, None)
+            now = time.monotonic()
+            since, seen = self.runtime.unauthorized.get(key, (now, 0))
+            seen += 1
+            self.runtime.unauthorized[key] = (since, seen)
+            grace = self.runtime.settings.admin_token_grace
+            if seen < UNAUTHORIZED_TICKS or now - since < grace:
+                return PodError(UNREACHABLE, f"{e.message} (the admin token may be rotating: refused for "
+                                             f"{now - since:.0f} s of {grace:g} s)")
+            return PodError(UNAUTHORIZED, f"{e.message} (refused for {now - since:.0f} s)")
+        self.runtime.unauthorized.pop(key, None)
         return _pod_error(e)
 
 

@@ -34,7 +34,8 @@ class Runtime:
                                   retries=settings.admin_retries, ca_file=settings.admin_ca_file,
                                   tls_server_name=settings.admin_tls_server_name)
         self._token_read_at = float("-inf")
-        self.unauthorized: dict[str, int] = {}     # namespace/pod -> ticks in a row its engine refused the token
+        # namespace/pod -> (when its engine first refused the token, refusals in a row since)
+        self.unauthorized: dict[str, tuple[float, int]] = {}
         self._reported: set[tuple[str, str]] = set()   # (object, pod uid) already reported as no engine
         self._providers: dict[tuple, PrometheusProvider] = {}
         self.metrics = OperatorMetrics()

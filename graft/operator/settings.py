@@ -8,9 +8,13 @@ Kubernetes login, chosen in this order:
 The engines' admin token: `GRAFT_ADMIN_TOKEN` itself, or the Secret named by
 `GRAFT_ADMIN_TOKEN_SECRET` (`namespace/name`) under the key `GRAFT_ADMIN_TOKEN_SECRET_KEY`
 (default `token`), read through the API and re-read every `GRAFT_ADMIN_TOKEN_TTL` seconds.
-With `GRAFT_ADMIN_CA_FILE` (a PEM CA bundle) the admin API is called over https and the engines'
-certificate verified, for the name `GRAFT_ADMIN_TLS_SERVER_NAME` when set (a pod's certificate
-usually names its Service, not its IP).
+The admin API is called over https, the engines' certificate verified against
+`GRAFT_ADMIN_CA_FILE` (a PEM CA bundle; `GRAFT_ADMIN_SCHEME=https` alone trusts the system's CAs)
+for the name `GRAFT_ADMIN_TLS_SERVER_NAME` when set (a pod's certificate usually names its Service,
+not its IP). The token in those calls runs code on every engine, so plain HTTP is refused at start
+unless `GRAFT_ADMIN_PLAIN_HTTP=true` opts out (one machine's loopback, as the dev cluster). An
+engine refusing the token is retried for `GRAFT_ADMIN_TOKEN_GRACE` seconds (a rotation reaches the
+operator and the engines at different moments) before the rollout fails.
 
 Prometheus: `GRAFT_PROMETHEUS_ADDRESS` for rollouts that name none; a rollout may name another
 only when it lies under one of `GRAFT_PROMETHEUS_ALLOWED` (comma-separated URL prefixes: scheme,
@@ -39,8 +43,10 @@ class OperatorSettings:
     admin_token_secret: str | None = None  # namespace/name
     admin_token_key: str = "token"
     admin_token_ttl: float = 60.0
+    admin_token_grace: float = 120.0       # seconds an engine may refuse the token before it is final
     admin_port: int = 8081                 # when a pod names no admin port
-    admin_scheme: str = "http"
+    admin_scheme: str = "https"
+    admin_plain_http: bool = False         # opt-out: call engines over plain http
     admin_ca_file: str | None = None       # PEM CA bundle: the admin API is called over verified https
     admin_tls_server_name: str | None = None  # the name the engines' certificate must carry
     admin_timeout: float = 60.0            # seconds per admin API call: an apply runs the self-check (seconds on a CPU)
@@ -62,6 +68,10 @@ class OperatorSettings:
             raise ValueError("admin_scheme must be http or https")
         if self.admin_ca_file and self.admin_scheme != "https":
             raise ValueError("GRAFT_ADMIN_CA_FILE is for https: leave GRAFT_ADMIN_SCHEME unset or set it to https")
+        if self.admin_scheme == "http" and not self.admin_plain_http:
+            raise ValueError(PLAIN_HTTP_REFUSED)
+        if self.admin_token_grace < 0:
+            raise ValueError("GRAFT_ADMIN_TOKEN_GRACE must not be negative")
         for prefix in [self.prometheus_address, *self.prometheus_allowed]:
             if not valid_prefix(prefix):
                 raise ValueError(f"Prometheus address {prefix!r} (GRAFT_PROMETHEUS_ADDRESS, GRAFT_PROMETHEUS_ALLOWED) "
@@ -94,7 +104,9 @@ class OperatorSettings:
             admin_token_key=env.get("GRAFT_ADMIN_TOKEN_SECRET_KEY") or "token",
             admin_token_ttl=number("GRAFT_ADMIN_TOKEN_TTL", 60.0),
             admin_port=int(number("GRAFT_ADMIN_PORT", 8081)),
-            admin_scheme=env.get("GRAFT_ADMIN_SCHEME") or ("https" if env.get("GRAFT_ADMIN_CA_FILE") else "http"),
+            admin_scheme=_admin_scheme(env),
+            admin_plain_http=_flag(env, "GRAFT_ADMIN_PLAIN_HTTP"),
+            admin_token_grace=number("GRAFT_ADMIN_TOKEN_GRACE", 120.0),
             admin_ca_file=env.get("GRAFT_ADMIN_CA_FILE") or None,
             admin_tls_server_name=env.get("GRAFT_ADMIN_TLS_SERVER_NAME") or None,
             admin_timeout=number("GRAFT_ADMIN_TIMEOUT", 60.0),
@@ -111,3 +123,27 @@ class OperatorSettings:
 
 def _names(raw: str | None) -> list[str]:
     return [n.strip() for n in (raw or "").split(",") if n.strip()]
+
+
+PLAIN_HTTP_REFUSED = ("the engines' admin API carries the token that runs code on every engine: call it over "
+                      "TLS (GRAFT_ADMIN_CA_FILE, the CA of the engines' certificate, or GRAFT_ADMIN_SCHEME=https "
+                      "for the system's CAs), or set GRAFT_ADMIN_PLAIN_HTTP=true to opt out")
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = (env.get(name) or "").strip().lower()
+    if raw in ("", "0", "false", "no"):
+        return False
+    if raw in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"{name} must be true or false, got {env.get(name)!r}")
+
+
+def _admin_scheme(env: Mapping[str, str]) -> str:
+    """https when a CA is given; with no TLS setting at all, http only for an explicit opt-out,
+    otherwise the refusal names the choices (the dataclass check)."""
+    if env.get("GRAFT_ADMIN_SCHEME"):
+        return env["GRAFT_ADMIN_SCHEME"]
+    if env.get("GRAFT_ADMIN_CA_FILE"):
+        return "https"
+    return "http"

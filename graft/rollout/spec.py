@@ -25,6 +25,11 @@ METRIC_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
 NO_DATA_POLICIES = ("hold", "fail", "pass")
 SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+# A selector names its fleet by an equality or an `In` term: `NotIn`, `Exists` and `DoesNotExist`
+# alone reach pods nobody meant (a database of the namespace), and the operator relabels and calls
+# what it selects. The CRDs' CEL rule says the same.
+SELECTOR_MUST_NAME = ("must name the fleet: a matchLabels entry or an In expression "
+                      "(NotIn, Exists and DoesNotExist alone reach pods outside it)")
 # label keys and values as the API server validates them (an optional DNS-subdomain prefix, a name)
 LABEL_NAME_PATTERN = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 LABEL_KEY_PATTERN = rf"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?{LABEL_NAME_PATTERN}"
@@ -499,8 +504,8 @@ def _selector(r: _Reader, value: Any, path: str) -> LabelSelector:
             r.fail(f"{where}.values", f"must be empty for operator {op}")
         if key and op in SELECTOR_OPERATORS:
             exprs.append((key, op, tuple(values)))
-    if not labels and not exprs and len(r.errors) == errors_before:
-        r.fail(path, "must select something: an empty selector would match every pod in the namespace")
+    if len(r.errors) == errors_before and not labels and not any(op == "In" for _, op, _ in exprs):
+        r.fail(path, SELECTOR_MUST_NAME)
     return LabelSelector(dict(labels), tuple(exprs))
 
 

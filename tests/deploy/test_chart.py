@@ -45,6 +45,7 @@ PROMETHEUS_OPERATOR = merged(ENGINE, {"monitoring": {
     "grafanaDashboard": {"enabled": True}}})
 REPLICAS_2 = {"operator": {"replicas": 2}}
 TLS_CERT_MANAGER = merged(ENGINE, {"adminTLS": {"certManager": {"enabled": True}}})
+TLS_SECRET_ANY = {"adminTLS": {"existingSecret": "engine-admin-tls", "serverName": "llm-engine.llm.svc"}}
 TLS_SECRET = merged(ENGINE, {"adminTLS": {"existingSecret": "engine-admin-tls"}})
 GENERATED_TOKEN = {"adminToken": {"generate": True}}
 SETUPS = {
@@ -222,8 +223,8 @@ def test_operator_gets_the_prometheus_addresses_rollouts_may_name(chart):
     (operator,) = containers(one(render(chart, values), "StatefulSet"))
     value = env_of(operator)["GRAFT_PROMETHEUS_ALLOWED"]["value"]
     assert value == "https://thanos.obs:10902,http://prom.team:9090/org"
-    settings = OperatorSettings.from_env({"GRAFT_PROMETHEUS_ADDRESS": "http://prom.obs:9090",
-                                          "GRAFT_PROMETHEUS_ALLOWED": value})
+    # the operator starts with the environment the chart gives it
+    settings = OperatorSettings.from_env({k: e["value"] for k, e in env_of(operator).items() if "value" in e})
     assert settings.prometheus_prefixes == ["http://prom.obs:9090", "https://thanos.obs:10902",
                                             "http://prom.team:9090/org"]
     with pytest.raises(Exception, match="allowedAddresses"):
@@ -397,7 +398,10 @@ def test_engines_probe_patches_with_the_prompts_of_a_configmap(chart):
 
 # the admin token: one Secret in the release's namespace, the same whoever renders the chart
 
-DETERMINISTIC = {k: v for k, v in SETUPS.items() if k != "generated-token"}
+# helm template and GitOps renders: certificates from a Secret the user manages (or cert-manager)
+DETERMINISTIC = {k: v if "adminTLS" in v else merged(v, TLS_SECRET_ANY)
+                 for k, v in SETUPS.items() if k != "generated-token"}
+GENERATED_TLS = {k: v for k, v in SETUPS.items() if "adminTLS" not in v and k != "generated-token"}
 
 
 @pytest.mark.parametrize("values", list(DETERMINISTIC.values()), ids=list(DETERMINISTIC))
@@ -407,9 +411,26 @@ def test_rendering_twice_gives_the_same_objects(chart, values):
     assert render(chart, values) == render(chart, values)
 
 
+@pytest.mark.parametrize("values", list(GENERATED_TLS.values()), ids=list(GENERATED_TLS))
+def test_rendering_twice_changes_only_a_generated_admin_certificate_which_is_immutable(chart, values):
+    """By default the chart generates the admin API's certificate at render time, so a renderer
+    without the cluster draws a new one each time; the Secret is immutable and kept, so that render
+    is refused by the API server instead of parting the engines' certificate from the operator's CA."""
+    one_render, other = render(chart, values), render(chart, values)
+    name = f"{RELEASE}-engine-admin-tls"
+
+    def generated(objs):
+        return [o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == name]
+
+    (first,), (second,) = generated(one_render), generated(other)
+    assert first["data"]["tls.key"] != second["data"]["tls.key"]
+    assert first["immutable"] is True and first["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert [o for o in one_render if o not in generated(one_render)] == [o for o in other if o not in generated(other)]
+
+
 def test_by_default_the_admin_token_is_a_secret_the_user_makes(chart):
     objs = render(chart, ENGINE)
-    assert not of_kind(objs, "Secret")
+    assert [s["metadata"]["name"] for s in of_kind(objs, "Secret")] == [f"{RELEASE}-engine-admin-tls"]
     (operator,) = containers(one(objs, "StatefulSet"))
     assert env_of(operator)["GRAFT_ADMIN_TOKEN_SECRET"]["value"] == f"{NAMESPACE}/{RELEASE}-admin-token"
     deployment = one(objs, "Deployment")
@@ -417,7 +438,7 @@ def test_by_default_the_admin_token_is_a_secret_the_user_makes(chart):
     assert mounted_file(deployment, engine, env_of(engine)["GRAFT_ADMIN_TOKEN_FILE"]["value"]) == (
         f"{RELEASE}-admin-token", "token")
 
-    objs = render(chart, merged(ENGINE, {"adminToken": {"existingSecret": "fleet-token", "key": "bearer"}}))
+    objs = render(chart, merged(TLS_SECRET, {"adminToken": {"existingSecret": "fleet-token", "key": "bearer"}}))
     assert not of_kind(objs, "Secret")
     (operator,) = containers(one(objs, "StatefulSet"))
     assert env_of(operator)["GRAFT_ADMIN_TOKEN_SECRET"]["value"] == f"{NAMESPACE}/fleet-token"
@@ -429,7 +450,7 @@ def test_by_default_the_admin_token_is_a_secret_the_user_makes(chart):
 
 
 def test_a_generated_admin_token_is_made_once_and_kept(chart):
-    objs = render(chart, merged(ENGINE, GENERATED_TOKEN))
+    objs = render(chart, merged(TLS_SECRET, GENERATED_TOKEN))
     secret = one(objs, "Secret")
     assert (secret["metadata"]["name"], secret["metadata"]["namespace"]) == (f"{RELEASE}-admin-token", NAMESPACE)
     # kept through upgrades and uninstalls, and never overwritten by a render that cannot see it
@@ -470,9 +491,11 @@ def test_docs_say_where_the_admin_token_lives_and_when_it_is_read(chart):
 
 # admin API TLS
 
-@pytest.mark.parametrize("values, secret", [(ENGINE, None), (TLS_CERT_MANAGER, "graft-engine-admin-tls"),
+@pytest.mark.parametrize("values, secret", [(merged(ENGINE, {"adminTLS": {"plainHTTP": True}}), None),
+                                            (ENGINE, "graft-engine-admin-tls"),
+                                            (TLS_CERT_MANAGER, "graft-engine-admin-tls"),
                                             (TLS_SECRET, "engine-admin-tls")],
-                         ids=["off", "cert-manager", "existing-secret"])
+                         ids=["plain-http", "generated", "cert-manager", "existing-secret"])
 def test_admin_tls_gives_engines_a_certificate_and_the_operator_its_ca(chart, values, secret):
     objs = render(chart, values)
     deployment, sts = one(objs, "Deployment"), one(objs, "StatefulSet")
@@ -481,8 +504,10 @@ def test_admin_tls_gives_engines_a_certificate_and_the_operator_its_ca(chart, va
     env = env_of(operator)
     if secret is None:
         assert not flags and not {"GRAFT_ADMIN_CA_FILE", "GRAFT_ADMIN_TLS_SERVER_NAME"} & set(env)
-        assert not of_kind(objs, "Certificate") and not of_kind(objs, "Issuer")
+        assert not of_kind(objs, "Certificate") and not of_kind(objs, "Issuer") and not of_kind(objs, "Secret")
+        assert env["GRAFT_ADMIN_PLAIN_HTTP"]["value"] == "true"     # opted out, said to the operator
         return
+    assert "GRAFT_ADMIN_PLAIN_HTTP" not in env
     assert mounted_file(deployment, engine, flags["--admin-tls-cert"]) == (secret, "tls.crt")
     assert mounted_file(deployment, engine, flags["--admin-tls-key"]) == (secret, "tls.key")
     assert mounted_file(sts, operator, env["GRAFT_ADMIN_CA_FILE"]["value"]) == (secret, "ca.crt")
@@ -627,3 +652,27 @@ def test_notes_warn_when_the_operator_would_not_serve_the_chart_engines(chart):
     assert f"the engines run in {NAMESPACE}, which the operator does not serve" in notes(chart, away)
     assert "does not serve" not in notes(chart, merged(ENGINE, {"rbac": {"scope": "namespace"}}))
     assert "does not serve" not in notes(chart, ENGINE)
+
+
+def test_a_generated_admin_certificate_names_the_engine_service_and_is_signed_by_the_ca_the_operator_gets(chart):
+    from cryptography import x509
+
+    objs = render(chart, ENGINE)
+    secret = one(objs, "Secret")
+    assert secret["type"] == "kubernetes.io/tls" and secret["immutable"] is True
+    cert, ca = (x509.load_pem_x509_certificate(base64.b64decode(secret["data"][k])) for k in ("tls.crt", "ca.crt"))
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    (operator,) = containers(one(objs, "StatefulSet"))
+    assert env_of(operator)["GRAFT_ADMIN_TLS_SERVER_NAME"]["value"] in names
+    # an upgrade reuses the certificate it finds rather than drawing a new one
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in (CHART / "templates" / "admin-tls-secret.yaml").read_text()
+
+
+@pytest.mark.parametrize("values, words", [
+    ({"adminTLS": {"generate": False}}, "or set adminTLS.plainHTTP to opt out"),
+    ({"adminTLS": {"plainHTTP": True, "existingSecret": "engine-admin-tls"}}, "set only one"),
+])
+def test_the_chart_refuses_an_admin_api_without_tls_unless_opted_out(chart, values, words):
+    with pytest.raises(Exception, match=words):
+        render(chart, values)

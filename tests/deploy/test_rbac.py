@@ -370,7 +370,7 @@ async def test_a_running_operator_makes_only_calls_the_chart_allows(chart, scope
         env = {e["name"]: e.get("value") for e in operator_container["env"]}
         peering = next(a.split("=", 1)[1] for a in operator_container["args"] if a.startswith("--peering="))
         settings = OperatorSettings(namespaces=[SERVED] if scope == "namespace" else [], tick=0.2,
-                                    kube_server=api.url, peering=peering,
+                                    kube_server=api.url, peering=peering, admin_scheme="http", admin_plain_http=True,
                                     admin_token_secret=env["GRAFT_ADMIN_TOKEN_SECRET"],
                                     admin_token_key=env["GRAFT_ADMIN_TOKEN_SECRET_KEY"])
         kube = Kube(api.url, headers={"User-Agent": TEST_CLIENT})

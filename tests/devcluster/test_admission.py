@@ -13,6 +13,7 @@ import yaml
 
 from graft.devcluster import cel
 from graft.devcluster.apiserver import ApiServer
+from graft.rollout.spec import SELECTOR_MUST_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 PATCHROLLOUT_CRD = yaml.safe_load((ROOT / "crds" / "patchrollout.yaml").read_text())
@@ -110,9 +111,10 @@ RULE_CASES = [
      "'.', starting and ending alphanumeric", "spec.selector.matchLabels",
      {"selector": {"matchLabels": {"app.kubernetes.io/name": "llm"}}},
      {"selector": {"matchLabels": {"zzz!": "q"}}}),
-    ("must select something: an empty selector would match every pod in the namespace", "spec.selector",
-     {"selector": {"matchExpressions": [{"key": "app", "operator": "Exists"}]}},
-     {"selector": {"matchLabels": {}}}),
+    (SELECTOR_MUST_NAME, "spec.selector",
+     {"selector": {"matchExpressions": [{"key": "app", "operator": "In", "values": ["llm"]},
+                                        {"key": "legacy", "operator": "DoesNotExist"}]}},
+     {"selector": {"matchExpressions": [{"key": "app", "operator": "NotIn", "values": ["db"]}]}}),
     ("exactly one of builtin or configMap is required", "spec.patch.source",
      {"patch": {**PATCH, "source": SOURCE_MAP}},
      {"patch": {**PATCH, "source": {"builtin": {}, **SOURCE_MAP}}}),

@@ -85,7 +85,10 @@ async def operator(request, cluster, namespace):
     allowed = [request.getfixturevalue("prometheus").url] if "prometheus" in request.fixturenames else []
 
     async def start(**overrides):
+        # the fake engines listen on loopback over plain http; a refused token is final at its third
+        # tick unless a test gives it a grace in seconds
         settings = OperatorSettings(namespaces=[namespace], tick=0.25, admin_token=TOKEN, admin_timeout=2.0,
+                                    admin_scheme="http", admin_plain_http=True, admin_token_grace=0.0,
                                     admin_retries=1, prometheus_timeout=2.0, prometheus_allowed=list(allowed),
                                     kube_server=cluster.url, kubeconfig=cluster.kubeconfig)
         for key, value in overrides.items():

@@ -159,8 +159,10 @@ async def test_bundle_problems(objects, reason, permanent):
 
 def test_settings_from_environment():
     s = OperatorSettings.from_env({"GRAFT_NAMESPACES": "llm, other", "GRAFT_TICK_SECONDS": "2",
-                                   "GRAFT_ADMIN_TOKEN_SECRET": "graft/admin", "GRAFT_ADMIN_PORT": "9000"})
+                                   "GRAFT_ADMIN_TOKEN_SECRET": "graft/admin", "GRAFT_ADMIN_PORT": "9000",
+                                   "GRAFT_ADMIN_CA_FILE": "/ca.pem", "GRAFT_ADMIN_TOKEN_GRACE": "30"})
     assert s.namespaces == ["llm", "other"] and s.tick == 2 and s.admin_port == 9000
+    assert s.admin_token_grace == 30 and s.admin_scheme == "https"
     assert s.admin_token_secret == "graft/admin" and s.admin_token_key == "token"
     with pytest.raises(ValueError, match="namespace/name"):
         OperatorSettings.from_env({"GRAFT_ADMIN_TOKEN_SECRET": "admin"})

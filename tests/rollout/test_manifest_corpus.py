@@ -49,6 +49,12 @@ INVALID = [
     ("no-selector", setting("selector", DELETE), "spec.selector"),
     ("empty-selector", setting("selector", {"matchLabels": {}}), "spec.selector"),
     ("selector-key-injection", setting("selector.matchLabels", {"zzz!": "q"}), "spec.selector.matchLabels"),
+    ("selector-matches-all-notin", setting("selector", {"matchExpressions": [
+        {"key": "app", "operator": "NotIn", "values": ["nothing"]}]}), "spec.selector"),
+    ("selector-matches-all-doesnotexist", setting("selector", {"matchExpressions": [
+        {"key": "nope", "operator": "DoesNotExist"}]}), "spec.selector"),
+    ("selector-any-app", setting("selector", {"matchExpressions": [
+        {"key": "app", "operator": "Exists"}, {"key": "db", "operator": "NotIn", "values": ["x"]}]}), "spec.selector"),
     ("selector-value-comma", setting("selector.matchLabels", {"app": "a,b"}), "spec.selector.matchLabels"),
     ("selector-value-64", setting("selector.matchLabels", {"app": "a" * 64}), "spec.selector.matchLabels"),
     ("selector-bad-operator", setting("selector", {"matchExpressions": [{"key": "app", "operator": "Near"}]}),

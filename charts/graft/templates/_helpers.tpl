@@ -61,11 +61,20 @@ app.kubernetes.io/component: engine
 
 {{/* The Secret with the engines' admin TLS certificate (tls.crt, tls.key, ca.crt); empty when off. */}}
 {{- define "graft.adminTLSSecretName" -}}
-{{- if .Values.adminTLS.certManager.enabled -}}
+{{- $tls := .Values.adminTLS -}}
+{{- if $tls.plainHTTP -}}
+{{- else if $tls.existingSecret -}}
+{{- $tls.existingSecret -}}
+{{- else if or $tls.certManager.enabled $tls.generate -}}
 {{- printf "%s-admin-tls" (include "graft.engineName" .) -}}
-{{- else -}}
-{{- .Values.adminTLS.existingSecret -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The DNS names of the engines' certificate: the engine Service's, and serverName. */}}
+{{- define "graft.adminTLSDNSNames" -}}
+{{- $engine := include "graft.engineName" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- list $engine (printf "%s.%s" $engine $ns) (printf "%s.%s.svc" $engine $ns) (printf "%s.%s.svc.cluster.local" $engine $ns) (include "graft.adminTLSServerName" .) | uniq | toJson -}}
 {{- end -}}
 
 {{/* The name the operator expects in the engines' certificate: the engine Service's DNS name. */}}
@@ -105,6 +114,12 @@ app.kubernetes.io/component: engine
 {{- end -}}
 {{- if and .Values.adminTLS.certManager.enabled .Values.adminTLS.existingSecret -}}
 {{- fail "adminTLS.certManager.enabled issues the certificate and adminTLS.existingSecret holds one you manage: set only one" -}}
+{{- end -}}
+{{- if and .Values.adminTLS.plainHTTP (or .Values.adminTLS.certManager.enabled .Values.adminTLS.existingSecret) -}}
+{{- fail "adminTLS.plainHTTP turns TLS off and adminTLS.certManager.enabled or adminTLS.existingSecret gives a certificate: set only one" -}}
+{{- end -}}
+{{- if not (or .Values.adminTLS.plainHTTP .Values.adminTLS.generate .Values.adminTLS.certManager.enabled .Values.adminTLS.existingSecret) -}}
+{{- fail "the admin API carries the token that runs code on every engine: give it TLS (adminTLS.generate, adminTLS.certManager.enabled or adminTLS.existingSecret), or set adminTLS.plainHTTP to opt out" -}}
 {{- end -}}
 {{- if and .Values.adminTLS.certManager.enabled (not .Values.engine.enabled) -}}
 {{- fail "adminTLS.certManager.enabled issues a certificate for the chart's engines: set engine.enabled too (or bring adminTLS.existingSecret and adminTLS.serverName)" -}}
