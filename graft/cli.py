@@ -23,6 +23,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         patches=os.environ.get("GRAFT_PATCHES", ""), grace=args.grace,
                         served_model_name=args.served_model_name, probe_prompts=args.probe_prompts,
                         public=PublicLimits(max_request_bytes=args.max_request_bytes,
+                                            request_timeout=args.request_timeout,
                                             client_priority_band=args.client_priority_band,
                                             priority_header=args.priority_header, tenant_header=args.tenant_header))
     from graft.engine.config import config_from_args
@@ -96,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-request-bytes", type=int, default=4 << 20, metavar="BYTES",
                    help="larger request bodies are answered 413 before they are parsed (default 4 MiB)")
+    s.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="the engine ends a request after this long (504; counted as `timeout`, a failure "
+                        "in canary analysis, unlike a client's hang-up) (default 600)")
     s.add_argument("--client-priority-band", type=int, default=1, metavar="N",
                    help="a request's own `priority` is clamped into [-N, N]; 0 ignores it (default 1)")
     s.add_argument("--priority-header", default=None, metavar="NAME",

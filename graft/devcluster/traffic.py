@@ -110,8 +110,8 @@ class Traffic:
                  model: str = "SmolLM2-135M-Instruct", port: int = 8000, timeout: float = 120.0):
         # 120 s: the dev cluster's float32 CPU engines, sharing two cores, queue a request for tens of
         # seconds while a busy machine slows them (an apply's self-check takes a canary 10-20 s
-        # there); a client that hangs up sooner counts as `abandoned`, which the error-rate-delta
-        # gate counts against the canary
+        # there); a client that hangs up sooner counts as `abandoned`, which no check counts as a
+        # failure, so the gate would see fewer requests
         self.router, self.prompts, self.rate = router, prompts, rate
         self.max_tokens, self.model, self.port, self.timeout = max_tokens, model, port, timeout
         self.stats = TrafficStats()

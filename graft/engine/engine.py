@@ -54,6 +54,12 @@ INTERNAL = "internal_error"
 MAX_OUTCOME_DELAY = 60.0    # seconds: the longest hold a `request.outcome` may ask for
 
 
+# graft_requests_total's status of a finished request: a hang-up (`abandoned`) is the client's doing,
+# a `timeout` the engine's (a request past the server's limit), and the comparison of canary and
+# stable counts the engine's alone
+_STATUS_OF = {FinishReason.ERROR: "error", FinishReason.ABORT: "abandoned", FinishReason.TIMEOUT: "timeout"}
+
+
 def no_outcome(seq: Sequence) -> tuple[float, bool]:
     """The plain `request.outcome`: deliver at once, never fail."""
     return 0.0, False
@@ -745,7 +751,7 @@ class LLMEngine:
             self.shadow.finished(seq, ok=reason in (FinishReason.STOP, FinishReason.LENGTH))
         # counted before the client hears of it, so a scrape after an answer always includes it
         rev = self.revision
-        status = "error" if reason is FinishReason.ERROR else "abandoned" if reason is FinishReason.ABORT else "ok"
+        status = _STATUS_OF.get(reason, "ok")
         self.metrics.requests.labels(rev, status).inc()
         self.metrics.duration.labels(rev).observe(time.monotonic() - seq.arrival + delay)
         self.metrics.prompt_tokens.labels(rev).inc(seq.num_prompt_tokens)

@@ -32,7 +32,8 @@ TOKEN_BUCKETS = geometric_buckets(0.001, 5.0, 1.2)        # 1 ms .. 5.266 s, 48 
 LATENCY_BUCKETS = geometric_buckets(0.005, 120.0, 1.25)   # 5 ms .. 114.8 s, 46 buckets
 DIVERGENCE_BUCKETS = geometric_buckets(1e-6, 10.0, 10 ** 0.5)   # nats: 1e-6 .. 10, two buckets a decade
 APPLY_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.25, 0.5, 1.0, 5.0)
-STATUSES = ("ok", "error", "rejected", "abandoned")   # abandoned: the client hung up first
+# abandoned: the client hung up first; timeout: the engine ended it at the server's request timeout
+STATUSES = ("ok", "error", "rejected", "abandoned", "timeout")
 SHADOW_RESULTS = ("agree", "divergent", "error")     # graft.engine.shadow's verdicts
 
 

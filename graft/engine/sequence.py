@@ -33,6 +33,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"      # max_tokens or the context limit
     ABORT = "abort"        # client went away or the engine shut down
     ERROR = "error"
+    TIMEOUT = "timeout"    # ran past the server's request timeout: ended by the engine, not the client
 
 
 @dataclass(slots=True)

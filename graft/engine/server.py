@@ -50,6 +50,9 @@ class PublicLimits:
 
     - `max_request_bytes`: larger bodies are answered 413 before they are parsed (the body is
       counted as it arrives, so a chunked upload is cut off at the limit too);
+    - `request_timeout`: seconds from admission after which the engine ends a request itself
+      (504, or an error event in a stream; status `timeout`): a hung patch shows as the engine's
+      failures, while a client that hangs up (`abandoned`) is its own business;
     - `client_priority_band`: a body's `priority` is clamped into [-band, +band] (0: ignored), so no
       client can jump the queue by more than `band` ageing periods;
     - `priority_header`: a header a gateway sets (say `x-graft-priority`), believed in the full range
@@ -62,6 +65,7 @@ class PublicLimits:
     """
 
     max_request_bytes: int = 4 << 20
+    request_timeout: float = 600.0
     client_priority_band: int = 1
     priority_header: str | None = None
     tenant_header: str | None = None
@@ -69,6 +73,8 @@ class PublicLimits:
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
         if not 0 <= self.client_priority_band <= 1000:
             raise ValueError(f"client_priority_band must be within [0, 1000], got {self.client_priority_band}")
 
@@ -246,12 +252,17 @@ class TextStream:
     failure here (detokenising, stop strings) ends this request alone with an ApiError.
     """
 
-    def __init__(self, engine: LLMEngine, handle: RequestHandle, params: SamplingParams):
-        self.engine, self.handle, self.params = engine, handle, params
+    def __init__(self, engine: LLMEngine, handle: RequestHandle, params: SamplingParams,
+                 timeout: float | None = None):
+        self.engine, self.handle, self.params, self.timeout = engine, handle, params, timeout
         self.detok = IncrementalDetokenizer(engine.tokenizer)
         self.completion_tokens = 0
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
+        # one timer per request, not a wait per token: at the deadline the engine ends the request
+        # with TIMEOUT, and its last event says so
+        timer = (asyncio.get_running_loop().call_later(self.timeout, self.handle.close, FinishReason.TIMEOUT)
+                 if self.timeout else None)
         try:
             async for chunk in self._chunks():
                 yield chunk
@@ -262,6 +273,8 @@ class TextStream:
             self.handle.close(FinishReason.ERROR)
             raise ApiError(500, "internal error while detokenizing", "server_error") from None
         finally:
+            if timer is not None:
+                timer.cancel()
             self.handle.close()
 
     async def _chunks(self) -> AsyncIterator[Chunk]:
@@ -285,6 +298,9 @@ class TextStream:
                     self.handle.close(FinishReason.STOP)
                     yield Chunk(text[emitted:cut], "stop", [p for p in pending if p[1] < cut])
                     return
+            if ev.finish_reason is FinishReason.TIMEOUT:
+                raise ApiError(504, f"the request ran past the server's request timeout ({self.timeout:g} s)",
+                               "server_error", code="request_timeout")
             if ev.finished:
                 reason = ev.finish_reason.value if ev.finish_reason else "stop"
                 yield Chunk(text[emitted:], reason, pending)
@@ -387,7 +403,7 @@ class OpenAIServing:
     async def respond(self, request: Request, req: CompletionRequest | ChatCompletionRequest,
                       prompt_ids: list[int], chat: bool) -> Response:
         handle, params = self.admit(request, prompt_ids, req)
-        stream = TextStream(self.engine, handle, params)
+        stream = TextStream(self.engine, handle, params, self.limits.request_timeout)
         fmt = Formatter(chat, self.model_name, self.spell)
         want_logprobs = params.logprobs is not None
         if req.stream:

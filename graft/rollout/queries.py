@@ -56,7 +56,7 @@ QUANTILES: dict[str, tuple[str, float]] = {
 class Series:
     """One number a check needs. `key` names it for the judge; `promql` asks Prometheus for it.
 
-    kind: count (requests of `side` with `status`, or all; `failed` is `error` or a hang-up,
+    kind: count (requests of `side` with `status`, or all; `failed` is `error` or `timeout`,
     `answered` all but hang-ups),
     shadow (the canary's shadow comparisons: `compared`, agreeing or divergent, or `divergent` alone),
     quantile (`q` of histogram `metric`),
@@ -285,17 +285,16 @@ def _sel(ctx: Context, side: str, **extra: str) -> str:
     return "{" + ",".join(f'{k}="{_quote(v)}"' for k, v in labels.items()) + "}"
 
 
-# A comparison counts a request its client gave up on (`abandoned`) as failed: a patch that hangs
-# requests makes clients time out, and a hung request never reaches `error`. Clients also hang up
-# for their own reasons (a user stops a chat), but they do so on both sides alike, so the difference
-# stays honest. Absolute checks count `error` alone: hang-ups would be background noise there.
-# In an absolute check a hang-up is never an error: it judges the requests the engine answered
-# (`answered`: every status but a hang-up), so a client giving up neither counts as an error nor
-# dilutes the rate.
+# A request fails when the engine says so: `error`, or `timeout` (the engine ended it at the
+# server's request timeout, so a patch that hangs requests fails them). A client that hangs up
+# (`abandoned`, `cancelled`) is neither a failure nor an answer, in absolute checks and in the
+# canary-vs-stable comparison alike: every rate is over the requests the engine answered
+# (`answered`: every status but a hang-up). A client that could tell the canaries apart cannot
+# tilt the judgement by hanging up on one side.
 FAILED = "failed"
 ANSWERED = "answered"
 HANGUPS = ("abandoned", "cancelled")     # the client hung up before the answer was done
-FAILED_STATUSES = ("error", *HANGUPS)
+FAILED_STATUSES = ("error", "timeout")
 
 
 def count_query(ctx: Context, side: str, window: float, status: str | None = None) -> str:
@@ -341,7 +340,7 @@ def plan(check, ctx: Context, window: float) -> list[Series]:
         return [Series(f"canary_{result}", "shadow", CANARY, result, metric=SHADOW, window=window,
                        promql=shadow_query(ctx, window, result)) for result in (COMPARED, DIVERGENT)]
     if kind == "rate":
-        status = "ok" if check.metric == "success-rate" else "error"
+        status = "ok" if check.metric == "success-rate" else FAILED
         return [Series("canary_requests", "count", CANARY, ANSWERED, window=window,
                        promql=count_query(ctx, CANARY, window, ANSWERED)),
                 Series("canary_matching", "count", CANARY, status, window=window,
@@ -349,7 +348,7 @@ def plan(check, ctx: Context, window: float) -> list[Series]:
     if kind == "difference":
         return [Series(f"{side}_{what}", "count", side, status, window=window,
                        promql=count_query(ctx, side, window, status))
-                for side in (CANARY, STABLE) for what, status in (("requests", None), ("errors", FAILED))]
+                for side in (CANARY, STABLE) for what, status in (("requests", ANSWERED), ("errors", FAILED))]
     if kind == "quantile":
         metric, q = QUANTILES[check.metric]
         sides = (CANARY, STABLE) if check.max_ratio is not None else (CANARY,)

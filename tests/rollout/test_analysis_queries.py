@@ -367,7 +367,7 @@ def test_rate_check_plans_requests_and_errors_of_the_canary():
     assert series["canary_requests"].promql == \
         'sum(increase(graft_requests_total{namespace="llm",revision="kv@1",status!~"abandoned|cancelled"}[60s]))'
     assert series["canary_matching"].promql == \
-        'sum(increase(graft_requests_total{namespace="llm",revision="kv@1",status="error"}[60s]))'
+        'sum(increase(graft_requests_total{namespace="llm",revision="kv@1",status=~"error|timeout"}[60s]))'
     (ok,) = checks(gates=[{"name": "success-rate", "min": 0.99}]).gates
     assert 'status="ok"' in {s.key: s for s in plan(ok, CTX, 60)}["canary_matching"].promql
 
@@ -375,11 +375,14 @@ def test_rate_check_plans_requests_and_errors_of_the_canary():
 def test_difference_check_plans_both_sides():
     series = {s.key: s.promql for s in plan(DELTA, CTX, 42)}
     assert set(series) == {"canary_requests", "canary_errors", "stable_requests", "stable_errors"}
-    # a comparison counts requests whose client hung up as failed: a hung patch makes clients time out
+    # the engine's failures (errors, and requests it ended at its timeout) over the requests it
+    # answered: a client's hang-up is in neither, so hanging up on one side cannot tilt the comparison
     assert series["stable_errors"] == \
-        'sum(increase(graft_requests_total{namespace="llm",revision="base",status=~"error|abandoned|cancelled"}[42s]))'
+        'sum(increase(graft_requests_total{namespace="llm",revision="base",status=~"error|timeout"}[42s]))'
+    assert series["stable_requests"] == \
+        'sum(increase(graft_requests_total{namespace="llm",revision="base",status!~"abandoned|cancelled"}[42s]))'
 
-    assert 'revision="kv@1"}[42s]' in series["canary_requests"]
+    assert 'revision="kv@1",status!~"abandoned|cancelled"}[42s]' in series["canary_requests"]
 
 
 def test_quantile_check_plans_the_median_of_each_pods_p99_and_its_samples():

@@ -178,23 +178,27 @@ def requests_engine(revision: str, per_second: dict[str, float]):
 
 
 def test_a_client_hang_up_is_neither_an_error_nor_an_answered_request(prometheus):
-    """The error-rate and success-rate queries, evaluated on a canary answering 3 requests a second
-    (1 an error) while clients hang up on 6 more: the rates are over the 3 answered, so hang-ups
-    neither count as errors nor dilute the share (1/3 errors, 2/3 successes, not 1/9 and 2/9)."""
-    targets = MetricsTargets(requests_engine("kv-align@3.2.1", {"ok": 2.0, "error": 1.0, "abandoned": 4.0,
-                                                                "cancelled": 2.0}))
+    """The error-rate, success-rate and error-rate-delta queries, evaluated on a canary answering 4
+    requests a second (1 an error, 1 ended at the engine's timeout) while clients hang up on 6 more:
+    the rates are over the 4 answered, so hang-ups neither count as failures nor dilute the share
+    (1/2 failed, 1/2 successes, not 2/10 and 2/10), in the comparison as in the absolute checks."""
+    targets = MetricsTargets(requests_engine("kv-align@3.2.1", {"ok": 2.0, "error": 1.0, "timeout": 1.0,
+                                                                "abandoned": 4.0, "cancelled": 2.0}))
     try:
         prometheus.set_targets([(a, {"namespace": "llm"}) for a in targets.addresses])
         analysis = parse_spec({"selector": {"matchLabels": {"app": "llm"}},
                                "patch": {"name": "kv-align", "version": "3.2.1"},
                                "analysis": {"breakers": [{"name": "error-rate", "max": 0.5}],
-                                            "gates": [{"name": "success-rate", "min": 0.5}]}}).analysis
+                                            "gates": [{"name": "success-rate", "min": 0.5},
+                                                      {"name": "error-rate-delta", "max": 0.5}]}}).analysis
         ctx = Context("llm", "kv-align@3.2.1", "base", "kv-align", "3.2.1")
-        for check, share in ((analysis.breakers[0], 1 / 3), (analysis.gates[0], 2 / 3)):
-            series = plan(check, ctx, 10.0)
+        for check, share, key in ((analysis.breakers[0], 1 / 2, "canary_matching"),
+                                  (analysis.gates[0], 1 / 2, "canary_matching"),
+                                  (analysis.gates[1], 1 / 2, "canary_errors")):
+            series = [s for s in plan(check, ctx, 10.0) if s.side == "canary"]
             deadline, values = time.monotonic() + 40, {}
             while not values or values["canary_requests"] < 20 or \
-                    abs(values["canary_matching"] / values["canary_requests"] - share) > 0.03:
+                    abs(values[key] / values["canary_requests"] - share) > 0.03:
                 assert time.monotonic() < deadline, (check.name, values)
                 values = {}
                 for s in series:

@@ -160,7 +160,7 @@ def test_step_window_spans_the_step_so_far():
     delta = plan["gate/error-rate-delta"]
     assert {s.key for s in delta} == {"canary_requests", "canary_errors", "stable_requests", "stable_errors"}
     assert all(s.window == 60 for s in delta)         # 100 - 40
-    assert 'revision="kv-align@3.2.1",status=~"error|abandoned|cancelled"' in delta[1].promql and "[60s]" in delta[1].promql
+    assert 'revision="kv-align@3.2.1",status=~"error|timeout"' in delta[1].promql and "[60s]" in delta[1].promql
     # the first run of a step still looks back a whole interval
     early = dict((c.key, s) for c, s in analysis.plan_run(spec, _status(), "llm", 41.0))
     assert early["gate/error-rate-delta"][0].window == spec.analysis.interval
