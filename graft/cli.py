@@ -62,7 +62,9 @@ def cmd_dev_cluster(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="graft", description=__doc__.splitlines()[0] if __doc__ else None)
+    # the module docstring's first paragraph, whole (its first line alone stops mid-sentence)
+    parser = argparse.ArgumentParser(prog="graft", description=" ".join(__doc__.split("\n\n")[0].split())
+                                     if __doc__ else None)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -132,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", default=None, help="the dev cluster's kubeconfig and logs (default: OUT/cluster)")
     d.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("patch", help="patch bundles: pack, sign, verify")
+    p = sub.add_parser("patch", help="patch bundles: pack, sign, verify, keygen")
     from graft.engine.patches.bundle import add_cli_args
     add_cli_args(p)
     p.set_defaults(func=cmd_patch)
@@ -142,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("rest", nargs=argparse.REMAINDER)
     o.set_defaults(func=cmd_operator)
 
-    r = sub.add_parser("rollout", help="watch and steer PatchRollouts (status, pause, resume, promote, abort)",
-                       add_help=False)
+    r = sub.add_parser("rollout", help="watch and steer PatchRollouts (status, pause, resume, promote, abort, "
+                                       "retry, simulate); `graft rollout --help` for each", add_help=False)
     r.add_argument("rest", nargs=argparse.REMAINDER)
     r.set_defaults(func=cmd_rollout)
 

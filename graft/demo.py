@@ -20,8 +20,13 @@ six comparisons a minute), and they ask the operator's Prometheus (the dev clust
 shows each rollout as `graft rollout status` does (graft.operator.render) and the pods as the
 cluster sees them. Everything is written under --out (.graft-demo by default): the report
 (report.md, with the Events and the decision behind each, and what the new pod did when), a timeline
-plot per rollout, and, in its cluster/ folder, the logs of this process, the operator and each pod,
-which never reach the terminal while the live view runs.
+plot per rollout with the series it draws as JSON, and, in its cluster/ folder, the logs of this
+process, the operator and each pod, which never reach the terminal while the live view runs.
+
+SIGINT (Ctrl-C), SIGTERM and SIGHUP (its terminal closed) stop the run at once, and with it
+everything it started: Prometheus, the operator and every engine, each given its grace period and
+then killed, and whatever those started in turn (see `Shutdown`); the exit status is then 128 plus
+the signal's number, as a shell reports a process the signal ended.
 """
 from __future__ import annotations
 
@@ -31,13 +36,15 @@ import contextlib
 import json
 import logging
 import math
+import os
 import re
+import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import yaml
@@ -54,7 +61,7 @@ from graft.operator.pods import PATCHES_ANNOTATION, TRACK_LABEL, admin_address, 
 from graft.operator.render import render_status
 from graft.rollout.durations import format_duration, parse_duration
 from graft.rollout.fleet import PATCHED_CONDITION
-from graft.rollout.spec import DEFAULT_STEPS, parse_spec
+from graft.rollout.spec import DEFAULT_STEPS, Check, parse_spec
 from graft.rollout.status import from_time
 
 DEMO_TASKS = list(TRAFFIC_TASKS)
@@ -97,6 +104,153 @@ MOMENTS = (("created", "pod created"), ("running", "engine running (its readines
 
 class DemoError(Exception):
     """Something the demo shows did not happen: said on the terminal, and the exit code is 1."""
+
+
+# stopping: on a signal as at the end
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+LEFTOVER_GRACE = 5.0    # seconds a process left in a child's group has between SIGTERM and SIGKILL
+T = TypeVar("T")
+
+
+class Shutdown:
+    """SIGINT, SIGTERM and SIGHUP end the run the way `graft dev-cluster` ends on SIGINT: the event
+    loop takes the signal and the run's context managers unwind, each stopping what it started (the
+    dev cluster stops the operator, every engine and Prometheus: SIGTERM, a grace period, SIGKILL).
+    Here the signal cancels the run's task, which may be anywhere in the story.
+
+    The first signal counts; one that comes once the stopping has begun (`begin`) is ignored, for
+    stopping is bounded already and cutting it short is what would leave processes behind. After
+    SIGHUP the terminal is gone, so nothing more is written to it. The process groups of this
+    process's children as they were at the signal are kept in `groups` (see `child_groups`)."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.signal: int | None = None
+        self.stopping = False
+        self.groups: set[int] = set()
+        self._task: asyncio.Task | None = None
+
+    def __enter__(self) -> "Shutdown":
+        self._task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if sig == signal.SIGHUP:
+            self.console.quiet = True
+        if self.signal is not None or self.stopping:
+            logging.getLogger(__name__).info("%s while stopping: ignored", signal.Signals(sig).name)
+            return
+        self.signal = sig
+        self.groups |= child_groups()
+        logging.getLogger(__name__).warning("%s: stopping everything this run started", signal.Signals(sig).name)
+        assert self._task is not None
+        self._task.cancel()
+
+    def begin(self) -> None:
+        """The stopping has begun: a signal from now on leaves it to finish."""
+        self.stopping = True
+
+
+def child_groups() -> set[int]:
+    """The process groups led by this process's children (read from /proc; none elsewhere). The
+    dev cluster starts Prometheus, the operator and each engine in a session of its own, so each
+    such group holds one of them and whatever it started, and it outlives its leader: a process
+    whose parent has died keeps its group, while nothing links it to this process any more."""
+    me, own = os.getpid(), os.getpgrp()
+    groups = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses, never the last ')'
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue    # gone meanwhile
+        ppid, pgrp = int(fields[1]), int(fields[2])
+        if ppid == me and pgrp != own:
+            groups.add(pgrp)
+    return groups
+
+
+def end_groups(groups: set[int], grace: float = LEFTOVER_GRACE) -> list[int]:
+    """SIGTERM to every process still in `groups`, SIGKILL to those left after `grace` seconds;
+    answers the groups that had anyone left. Zombie children of this process in those groups are
+    reaped, so that a dead one does not keep its group looking alive."""
+    def alive(group: int) -> bool:
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-group, os.WNOHANG)[0]:
+                pass
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def send(group: int, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, sig)
+
+    left = [g for g in sorted(groups) if alive(g)]
+    for g in left:
+        send(g, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(alive(g) for g in left):
+        time.sleep(0.1)
+    for g in left:
+        if alive(g):
+            send(g, signal.SIGKILL)
+    if left:
+        logging.getLogger(__name__).warning("processes left in the process groups %s after the dev cluster stopped: "
+                                            "ended", left)
+    return left
+
+
+async def to_the_end(aw: Awaitable[T]) -> T:
+    """`aw` awaited to its end even if this task is cancelled meanwhile (a signal that came just as
+    the stopping began): the cancellation is raised once it is done. Stopping cut short halfway
+    leaves behind whatever it had not stopped yet."""
+    inner = asyncio.ensure_future(aw)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            result = await asyncio.shield(inner)
+            break
+        except asyncio.CancelledError as e:
+            if inner.cancelled():
+                raise
+            cancelled = e
+    if cancelled is not None:
+        raise cancelled
+    return result
+
+
+@contextlib.asynccontextmanager
+async def running_cluster(opts: ClusterOptions, console: Console, shutdown: Shutdown) -> AsyncIterator[DevCluster]:
+    """The dev cluster for the length of the block, and everything it started stopped however the
+    block ends: its end, an error, or a signal (`Shutdown`), also while the cluster is starting.
+    The cluster stops its own processes first; then what is left in the process groups its
+    children led (what an engine or the operator started itself) is ended too (`end_groups`)."""
+    cluster = DevCluster(opts)
+    groups: set[int] = set()
+    try:
+        with console.status("starting the dev cluster: API server, Prometheus, operator, engine pods ..."):
+            await cluster.__aenter__()      # if that fails, it stops what it had started
+        try:
+            yield cluster
+        finally:
+            shutdown.begin()
+            groups = child_groups()
+            with console.status("stopping the dev cluster ..."):
+                await to_the_end(cluster.__aexit__(None, None, None))
+    finally:
+        shutdown.begin()
+        await to_the_end(asyncio.to_thread(end_groups, groups | shutdown.groups))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +320,8 @@ class Timeline:
         analysis = st.get("analysis") or {}
         results = {f'{r.get("role", "breaker")}/{r["name"]}': r for r in analysis.get("results", [])}
         self.samples.append({"t": t, "phase": st.get("phase"), "weight": st.get("weight", 0),
-                             "step": st.get("stepIndex"), "run": analysis.get("lastRun"), "results": results})
+                             "share": st.get("trafficShare"), "step": st.get("stepIndex"),
+                             "run": analysis.get("lastRun"), "results": results})
 
 
 def condition(pod: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -267,18 +422,20 @@ def act_problem(act: Act, ro: dict[str, Any]) -> str | None:
     return None
 
 
-def thresholds_of(ro: dict[str, Any]) -> dict[str, float]:
-    """Each check's upper limit, by `role/name` (what the plot draws as a dashed line)."""
-    return {c.key: c.max for c in parse_spec(ro["spec"]).analysis.checks if c.max is not None}
+def checks_of(ro: dict[str, Any]) -> dict[str, Check]:
+    """The rollout's checks by `role/name`, as the operator reads them: the plot draws their limits."""
+    return {c.key: c for c in parse_spec(ro["spec"]).analysis.checks}
 
 
 # the live view
 def pods_table(pods: Sequence[dict[str, Any]], stats: TrafficStats | None) -> Table:
     """The engine pods as the cluster has them: Ready (gate included), the gate, track and revision
-    the operator marked, and the client requests each answered."""
+    the operator marked, and the client requests each answered. On a narrow terminal only the
+    revision gives way, folded onto a second line: every other cell is one short word, which an
+    ellipsis would cut to nothing (a pod name is told apart by its last characters)."""
     table = Table(title="Engine pods (cluster)", title_justify="left")
     for col in ("pod", "ready", "gate", "track", "revision", "restarts", "requests"):
-        table.add_column(col)
+        table.add_column(col, **({"overflow": "fold"} if col == "revision" else {"no_wrap": True}))
     by_pod = stats.by_pod() if stats else {}
     for p in sorted(pods, key=lambda p: p["metadata"]["name"]):
         name, meta = p["metadata"]["name"], p["metadata"]
@@ -477,10 +634,10 @@ def _key(samples: Sequence[dict[str, Any]], name: str) -> str | None:
     return None
 
 
-def series(samples: Sequence[dict[str, Any]], key: str | None, number: str | None = None,
-           scale: float = 1.0, missing: float = float("nan")) -> tuple[list[float], list[float]]:
-    """One check's value (or one of its `numbers`) over time, one point per analysis run, as
-    (seconds since the first sample, value); `missing` where the run had none (NaN: no point)."""
+def per_run(samples: Sequence[dict[str, Any]], key: str | None,
+            value: Callable[[dict[str, Any]], float | None]) -> tuple[list[float], list[float]]:
+    """What `value` makes of one check's result, one point per analysis run, as (seconds since the
+    first sample, value); NaN where it has none (no point drawn)."""
     if key is None or not samples:
         return [], []
     t0, ts, vs, runs = samples[0]["t"], [], [], set()
@@ -489,112 +646,251 @@ def series(samples: Sequence[dict[str, Any]], key: str | None, number: str | Non
         if r is None or (x.get("run") is not None and x["run"] in runs):
             continue
         runs.add(x.get("run"))
-        v = r.get("value") if number is None else (r.get("numbers") or {}).get(number)
+        v = value(r)
         ts.append(x["t"] - t0)
-        vs.append(missing if v is None else float(v) * scale)
+        vs.append(float("nan") if v is None else float(v))
     return ts, vs
+
+
+def series(samples: Sequence[dict[str, Any]], key: str | None, number: str | None = None,
+           scale: float = 1.0, missing: float = float("nan")) -> tuple[list[float], list[float]]:
+    """One check's value (or one of its `numbers`) over time, one point per analysis run, as
+    (seconds since the first sample, value); `missing` where the run had none (NaN: no point)."""
+    def value(r: dict[str, Any]) -> float:
+        v = r.get("value") if number is None else (r.get("numbers") or {}).get(number)
+        return missing if v is None else float(v) * scale
+    return per_run(samples, key, value)
+
+
+def _ratio(r: dict[str, Any], part: str, whole: str, scale: float = 100.0) -> float | None:
+    """numbers[part] / numbers[whole], scaled; None when the run counted nothing."""
+    nums = r.get("numbers") or {}
+    return nums[part] / nums[whole] * scale if nums.get(whole) and part in nums else None
+
+
+def _canary_share(r: dict[str, Any]) -> float | None:
+    """The share of the requests canary pods answered, percent, of an error-rate-delta result
+    (which counts both sides over the step); None before either side has answered one."""
+    nums = r.get("numbers") or {}
+    canary, stable = nums.get("canary_requests"), nums.get("stable_requests")
+    return None if canary is None or stable is None or canary + stable <= 0 else 100 * canary / (canary + stable)
 
 
 def _dry(samples: Sequence[dict[str, Any]], key: str | None) -> str:
     return " (dry run)" if key and any(x["results"].get(key, {}).get("dryRun") for x in samples) else ""
 
 
-def _empty(ax, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} in this rollout's analysis", transform=ax.transAxes, ha="center",
-            va="center", fontsize=9, color="0.4")
+@dataclass
+class Line:
+    """One series of a plot panel, as drawn and as written to the plot's JSON."""
+
+    label: str
+    t: list[float]
+    v: list[float]
+    color: str
+    style: str = "-"            # matplotlib's linestyle ("" for points alone)
+    marker: str = "."
+    limit: bool = False         # a limit a check judges against, not a measurement
+    step: bool = False          # a value that holds until the next sample (the weight)
+
+    @property
+    def drawn(self) -> bool:
+        return any(not math.isnan(v) for v in self.v)
 
 
-def plot(timeline: Timeline, out: Path, thresholds: dict[str, float]) -> Path:
-    """The rollout over time: its weight, then what the analysis saw at each run: the canary's error
-    rate (and its difference from stable), TTFT and TPOT p99 of canary and stable, and the shadow
-    comparisons behind output-divergence (compared and divergent counts, the divergent share with
-    the lower bound the breaker judges)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+@dataclass
+class PlotPanel:
+    """One panel of the timeline plot: its lines, what it says when none has a point, and how many
+    of the analysis runs its checks judged (a run short of samples is Inconclusive: its numbers are
+    drawn, yet they held nothing)."""
+
+    key: str
+    ylabel: str
+    lines: list[Line]
+    missing: str
+    judged: str = ""
+    log: bool = False
+    ylim: tuple[float, float] | None = None
+
+
+JUDGED = ("Successful", "Failed")
+
+
+def judged(samples: Sequence[dict[str, Any]], *keys: str | None) -> str:
+    """`error-rate judged at 30 of 52 runs` for each of the checks `keys` that ran."""
+    parts = []
+    for key in keys:
+        _, verdicts = per_run(samples, key, lambda r: float(r.get("verdict") in JUDGED))
+        if verdicts:
+            parts.append(f"{key.split('/', 1)[1]} judged at {sum(verdicts):.0f} of {len(verdicts)} runs")
+    return "; ".join(parts)
+
+
+def _limit(label: str, value: float, end: float) -> Line:
+    """A fixed limit across the whole plot."""
+    return Line(label, [0.0, end], [value, value], "tab:red", "--", "", limit=True)
+
+
+def plot_panels(timeline: Timeline, checks: dict[str, Check]) -> list[PlotPanel]:
+    """What the timeline plot shows, panel by panel: the canary's traffic (the weight its step asks
+    for, its pods' share of the pods, and the share of the requests its pods answered, as
+    Prometheus counted them for error-rate-delta), then canary beside stable for the error rate and
+    for TTFT and TPOT p99, each with the limit its check judges against (a ratio to stable drawn
+    as that multiple of stable at each run), then the shadow comparisons behind output-divergence."""
     s = timeline.samples
     t0 = s[0]["t"]
     ts = [x["t"] - t0 for x in s]
-    fig, axes = plt.subplots(5, 1, figsize=(9, 12.5), sharex=True,
-                             gridspec_kw={"height_ratios": [1, 1.1, 1.3, 1.1, 1.1]})
-    weight, errors, latency, compared, share = axes
-    weight.step(ts, [x["weight"] or 0 for x in s], where="post", color="tab:blue")
-    weight.set_ylabel("canary weight %")
-    weight.set_ylim(-5, 115)
-    phases = [(x["t"] - t0, x["phase"]) for i, x in enumerate(s) if i == 0 or x["phase"] != s[i - 1]["phase"]]
-    for t, ph in phases:
-        weight.annotate(ph, (t, 104), fontsize=8, rotation=12)
-    decided = next((x["t"] - t0 for x in s if x["phase"] in ROLLED_BACK), None)
+    end = ts[-1]
 
-    # error rate: the canary's, and canary minus stable
-    key, gate = _key(s, "error-rate"), _key(s, "error-rate-delta")
-    drawn = False
-    for k, label, color, style in ((key, "canary error rate", "tab:orange", "o-"),
-                                   (gate, "canary - stable (pp)", "tab:purple", ".--")):
-        x, y = series(s, k, scale=100)
-        if x:
-            errors.plot(x, y, style, markersize=4, color=color, label=label + _dry(s, k))
-            drawn = True
-    if key in thresholds:
-        errors.axhline(thresholds[key] * 100, color="tab:red", linestyle="--", label="error-rate limit")
-    errors.set_ylabel("errors %")
-    errors.legend(loc="upper left", fontsize=8) if drawn else _empty(errors, "error-rate check")
+    # the canary's share of the traffic: asked, by pod count, and measured
+    delta = _key(s, "error-rate-delta")
+    traffic = [Line("weight the step asks for", ts, [float(x["weight"] or 0) for x in s], "tab:blue", marker="",
+                    step=True),
+               Line("canary pods' share of the pods (status.trafficShare)", ts,
+                    [float("nan") if x.get("share") is None else float(x["share"]) for x in s], "tab:cyan", "--",
+                    marker="", step=True),
+               Line("canary pods' share of the requests (measured, error-rate-delta)",
+                    *per_run(s, delta, _canary_share), "tab:orange", "",
+                    marker="o")]
+    panels = [PlotPanel("traffic", "canary traffic %", traffic, "weight", ylim=(-5, 115))]
 
-    # latency: canary solid, stable dashed
-    drawn = False
-    for name, color in (("ttft-p99", "tab:green"), ("tpot-p99", "tab:brown")):
-        k = _key(s, name)
-        for number, style, side in (("canary_quantile", "-", "canary"), ("stable_quantile", "--", "stable")):
-            x, y = series(s, k, number, scale=1000)
-            if x and any(not math.isnan(v) and v > 0 for v in y):
-                latency.plot(x, [v if v > 0 else float("nan") for v in y], style, marker=".", color=color,
-                             label=f"{name.split('-')[0].upper()} p99 {side}{_dry(s, k)}")
-                drawn = True
-    if drawn:
-        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-        latency.set_yscale("log")
-        latency.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-        latency.yaxis.set_major_formatter(ScalarFormatter())
-        latency.yaxis.set_minor_formatter(NullFormatter())
-        latency.legend(loc="upper left", fontsize=8, ncol=2)
-    else:
-        _empty(latency, "latency check")
-    latency.set_ylabel("p99 ms (median over pods)")
+    # error rate: the canary's (error-rate, over its window), canary and stable over the step
+    # (error-rate-delta), and the limits: error-rate's max, and stable plus error-rate-delta's max
+    breaker = _key(s, "error-rate")
+    errors = [Line(f"canary (error-rate, {_window(checks, breaker)}){_dry(s, breaker)}",
+                   *series(s, breaker, scale=100), "tab:orange", marker="o"),
+              Line(f"canary (error-rate-delta, {_window(checks, delta)}){_dry(s, delta)}",
+                   *per_run(s, delta, lambda r: _ratio(r, "canary_errors", "canary_requests")), "tab:purple", ":"),
+              Line(f"stable (error-rate-delta, {_window(checks, delta)})",
+                   *per_run(s, delta, lambda r: _ratio(r, "stable_errors", "stable_requests")), "tab:green", ":")]
+    if breaker in checks and checks[breaker].max is not None:
+        errors.append(_limit(f"error-rate limit ({checks[breaker].max * 100:g}%)", checks[breaker].max * 100, end))
+    if delta in checks and checks[delta].max is not None:
+        most = checks[delta].max * 100
+        errors.append(Line(f"error-rate-delta limit (stable + {most:g} pp)",
+                           *per_run(s, delta, lambda r: _plus(_ratio(r, "stable_errors", "stable_requests"), most)),
+                           "tab:purple", "--", "", limit=True))
+    panels.append(PlotPanel("errors", "errors %", errors, "error-rate check", judged(s, breaker, delta)))
+
+    # latency: canary beside stable, the limit a check judges the canary's p99 against; no panel
+    # for a latency check the rollout does not have
+    for name, title in (("ttft-p99", "TTFT"), ("tpot-p99", "TPOT")):
+        key = _key(s, name) or next((k for k in (f"breaker/{name}", f"gate/{name}") if k in checks), None)
+        if key is None:
+            continue
+        lines = [Line(f"{title} p99 {side}{_dry(s, key)}",
+                      *per_run(s, key, lambda r, n=number: _positive(r, n, 1000)), color, style)
+                 for side, number, color, style in (("canary", "canary_quantile", "tab:orange", "-"),
+                                                    ("stable", "stable_quantile", "tab:green", "--"))]
+        check = checks.get(key)
+        if check is not None and check.max_ratio is not None:
+            lines.append(Line(f"limit ({check.max_ratio:g} x stable)",
+                              *per_run(s, key, lambda r, k=check.max_ratio: _positive(r, "stable_quantile", 1000 * k)),
+                              "tab:red", "--", "", limit=True))
+        if check is not None and check.max is not None:
+            lines.append(_limit(f"limit ({check.max * 1000:g} ms)", check.max * 1000, end))
+        panels.append(PlotPanel(name, f"{title} p99 ms\n(median over pods)", lines, f"{name} measurement",
+                                judged(s, key), log=True))
 
     # output divergence: the shadow comparisons over the rollout so far
     key = _key(s, "output-divergence")
-    x, n = series(s, key, "compared", missing=0.0)     # a run with no comparison saw none
-    if x:
-        _, k = series(s, key, "divergent", missing=0.0)
-        compared.step(x, n, where="post", color="tab:blue", linewidth=2.5, alpha=0.6, label="compared")
-        compared.plot(x, n, ".", color="tab:blue")
-        compared.step(x, k, where="post", color="tab:red", linestyle="--", label="divergent")
-        compared.plot(x, k, "x", color="tab:red")
-        compared.set_ylim(-0.5, max(max(n), 3) * 1.15)
-        compared.legend(loc="upper left", fontsize=8)
-        _, v = series(s, key, scale=100)
-        _, lo = series(s, key, "lower", scale=100)
-        share.plot(x, v, marker=".", color="tab:red", label="divergent share")
-        share.plot(x, lo, marker=".", linestyle=":", color="tab:gray", label="its lower bound (rollbackConfidence)")
-        if key in thresholds:
-            share.axhline(thresholds[key] * 100, color="tab:red", linestyle="--", label="limit")
-        share.set_ylim(-5, 105)
-        share.legend(loc="upper left", fontsize=8)
-    else:
-        _empty(compared, "output-divergence check")
-        _empty(share, "output-divergence check")
-    compared.set_ylabel("shadow comparisons\n(rollout so far)")
-    share.set_ylabel("divergent %")
+    compared = [Line("compared", *series(s, key, "compared", missing=0.0), "tab:blue", step=True),
+                Line("divergent", *series(s, key, "divergent", missing=0.0), "tab:red", "--", "x", step=True)]
+    share = [Line("divergent share", *series(s, key, scale=100), "tab:red"),
+             Line("its lower bound (rollbackConfidence)", *series(s, key, "lower", scale=100), "tab:gray", ":")]
+    if key in checks and checks[key].max is not None:
+        share.append(_limit(f"limit ({checks[key].max * 100:g}%)", checks[key].max * 100, end))
+    panels += [PlotPanel("compared", "shadow comparisons\n(rollout so far)", compared, "output-divergence check"),
+               PlotPanel("divergence", "divergent %", share, "output-divergence check", judged(s, key),
+                         ylim=(-5, 105))]
+    return panels
+
+
+def _window(checks: dict[str, Check], key: str | None) -> str:
+    check = checks.get(key or "")
+    return "over the step" if check is None or check.window is None else check.window_text
+
+
+def _plus(value: float | None, more: float) -> float | None:
+    return None if value is None else value + more
+
+
+def _positive(r: dict[str, Any], number: str, scale: float) -> float | None:
+    """A latency number of the result, scaled; None when it is missing or not above zero (no
+    sample: a log scale has no place for it)."""
+    v = (r.get("numbers") or {}).get(number)
+    return v * scale if v is not None and v > 0 else None
+
+
+def plot_data(timeline: Timeline, panels: Sequence[PlotPanel], decided: float | None) -> dict[str, Any]:
+    """The plot as data: every line drawn, by panel and label (NaN, a run without a point, as null)."""
+    def clean(vs: Sequence[float]) -> list[float | None]:
+        return [None if math.isnan(v) else v for v in vs]
+    return {"rollout": timeline.name, "decided": decided,
+            "panels": {p.key: {"ylabel": p.ylabel, "judged": p.judged,
+                               "series": {line.label: {"t": line.t, "v": clean(line.v), "limit": line.limit}
+                                          for line in p.lines if line.drawn}}
+                       for p in panels}}
+
+
+def plot(timeline: Timeline, out: Path, checks: dict[str, Check]) -> Path:
+    """The rollout over time (`plot_panels`) as a PNG, and beside it the same series as JSON
+    (`<name>-plot.json`); answers the PNG's path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    s = timeline.samples
+    t0 = s[0]["t"]
+    panels = plot_panels(timeline, checks)
+    decided = next((x["t"] - t0 for x in s if x["phase"] in ROLLED_BACK), None)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * len(panels)), sharex=True)
+    for ax, panel in zip(axes, panels):
+        drawn = [line for line in panel.lines if line.drawn]
+        for line in drawn:
+            kw = {"color": line.color, "label": line.label, "linestyle": line.style or "None",
+                  "marker": line.marker or None, "markersize": 4}
+            if line.step:
+                ax.step(line.t, line.v, where="post", **kw)
+            else:
+                ax.plot(line.t, line.v, **kw)
+        ax.set_ylabel(panel.ylabel)
+        if panel.ylim:
+            ax.set_ylim(*panel.ylim)
+        if panel.judged:
+            ax.set_title(panel.judged, loc="right", fontsize=8, color="0.35")
+        if not any(not line.limit for line in drawn):
+            ax.text(0.5, 0.5, f"no {panel.missing} in this rollout's analysis", transform=ax.transAxes,
+                    ha="center", va="center", fontsize=9, color="0.4")
+            continue
+        if panel.log:
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.legend(loc="best", fontsize=7, ncol=2 if len(drawn) > 3 else 1)
+    first = axes[0]
+    phases = [(x["t"] - t0, x["phase"]) for i, x in enumerate(s) if i == 0 or x["phase"] != s[i - 1]["phase"]]
+    for t, ph in phases:
+        first.annotate(ph, (t, 104), fontsize=8, rotation=12)
     if decided is not None:
         for ax in axes:
             ax.axvline(decided, color="0.5", linewidth=0.8)
-    share.set_xlabel("seconds since the rollout was applied")
+    axes[-1].set_xlabel("seconds since the rollout was applied")
     fig.suptitle(f"PatchRollout {timeline.name}")
     fig.tight_layout()
-    path = out / f"{timeline.name}-timeline.png"
+    path, data_path = plot_paths(out, timeline.name)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    data = json.dumps(plot_data(timeline, panels, decided), indent=1)
+    data_path.write_text(data)
     return path
+
+
+def plot_paths(out: Path, name: str) -> tuple[Path, Path]:
+    """A rollout's timeline plot, and the JSON of the series it draws."""
+    return out / f"{name}-timeline.png", out / f"{name}-plot.json"
 
 
 def _utc(t: float) -> str:
@@ -677,11 +973,17 @@ def decision_lines(timeline: Timeline, ro: dict[str, Any], shadow: dict[str, flo
 def rollout_section(timeline: Timeline, ro: dict[str, Any], events: Sequence[dict[str, Any]], png: Path,
                     shadow: dict[str, float] | None = None) -> list[str]:
     st = ro.get("status", {})
+    data = plot_paths(png.parent, timeline.name)[1].name
     return [f"## {timeline.name}: {st.get('phase')}", "",
             f"Patch `{ro['spec']['patch']['name']}@{ro['spec']['patch']['version']}`; "
             f"final weight {st.get('weight')}%; {st.get('message', '')}", "",
             *decision_lines(timeline, ro, shadow),
-            f"![timeline]({png.name})", "", *_events_table(events), ""]
+            f"![timeline]({png.name})", "",
+            "The plot: the canary's share of the traffic (the weight asked, its pods' share of the pods, "
+            "the share of the requests they answered), canary beside stable for the error rate (and for "
+            "TTFT and TPOT p99 where the rollout checks them) with the limit each check judges against, "
+            f"and the shadow comparisons behind output-divergence; its series are in [{data}]({data}).", "",
+            *_events_table(events), ""]
 
 
 def join_section(join: Join, events: Sequence[dict[str, Any]]) -> list[str]:
@@ -737,21 +1039,27 @@ async def _demo(args: argparse.Namespace) -> int:
     prepare_workdir(paths.workdir)
     # two questions per task: their shared 3-shot prefix stays in each engine's prefix cache
     prompts = [p.text for p in bbh_prompts(args.data_dir, tasks=DEMO_TASKS, per_task=2)]
-    with logs_to(paths.log):
+    with logs_to(paths.log), Shutdown(console) as shutdown:
         try:
-            return await _story(args, paths, console, prompts)
+            return await _story(args, paths, console, prompts, shutdown)
         except (DemoError, TimeoutError) as e:
             console.print(f"[bold red]graft demo failed:[/] {e}\nlogs: {paths.logs_hint}")
             return 1
+        except asyncio.CancelledError:
+            if shutdown.signal is None:
+                raise
+            asyncio.current_task().uncancel()
+            console.print(f"[yellow]graft demo stopped by {signal.Signals(shutdown.signal).name}[/]: everything it "
+                          f"started is stopped\n"
+                          f"logs: {paths.logs_hint}")
+            return 128 + shutdown.signal
 
 
-async def _story(args: argparse.Namespace, paths: DemoPaths, console: Console, prompts: list[str]) -> int:
+async def _story(args: argparse.Namespace, paths: DemoPaths, console: Console, prompts: list[str],
+                 shutdown: Shutdown) -> int:
     started = time.time()
-    with console.status("starting the dev cluster: API server, Prometheus, operator, engine pods ..."):
-        cluster = DevCluster(ClusterOptions(workdir=paths.workdir, pods=args.pods,
-                                            readiness_gates=(PATCHED_CONDITION,)))
-        await cluster.__aenter__()
-    try:
+    opts = ClusterOptions(workdir=paths.workdir, pods=args.pods, readiness_gates=(PATCHED_CONDITION,))
+    async with running_cluster(opts, console, shutdown) as cluster:
         with console.status("waiting for the engine pods to load the model ..."):
             await cluster.wait_ready(timeout=300)
         with console.status(f"the fleet at base: PatchFleet {FLEET} opens the pods' readiness gates ..."):
@@ -794,9 +1102,6 @@ async def _story(args: argparse.Namespace, paths: DemoPaths, console: Console, p
         if problems or ran < len(ACTS):
             raise DemoError("; ".join(problems) or f"{ran} of the {len(ACTS)} rollouts ran (see the report and the logs)")
         return 0
-    finally:
-        with console.status("stopping the dev cluster ..."):
-            await cluster.__aexit__(None, None, None)
 
 
 async def shadow_totals(cluster: DevCluster, revision: str | None, window: float) -> dict[str, Any] | None:
@@ -842,7 +1147,7 @@ async def _one_rollout(cluster: DevCluster, act: Act, traffic, console: Console,
     events = await cluster.events(ro["metadata"]["name"])
     since = timeline.samples[0]["t"] if timeline.samples else time.time() - args.timeout
     shadow = await shadow_totals(cluster, final.get("status", {}).get("canaryRevision"), time.time() - since + 10)
-    png = plot(timeline, paths.out, thresholds_of(ro))
+    png = plot(timeline, paths.out, checks_of(ro))
     sections.append(rollout_section(timeline, final, events, png, shadow))
     (paths.out / f"{timeline.name}-timeline.json").write_text(json.dumps(timeline.samples, indent=1))
     console.print(f"[bold]{timeline.name}[/]: {final.get('status', {}).get('phase')} "

@@ -8,13 +8,20 @@ count of Ready pods is not shown).
 A rollout that carries the Warning `CoarseSteps` (pod-ratio routing over fewer pods than its first
 step can split: one pod is already more than that step asks for) is shown with that warning and
 the traffic the canary really gets next to the weight the step asks for.
+
+The analysis table fits the width it is drawn at (a `status -w` view is redrawn at the terminal's
+width each time): where its Detail column would be narrower than `DETAIL_MIN` characters, each
+check's sentence would wrap a word or two a line, so the details go under the table instead, as
+numbered notes at the full width, and the table's last column (Note) holds the note's number.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Group
+from rich import box
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -27,13 +34,18 @@ PHASE_STYLE = {"Progressing": "cyan", "Paused": "yellow", "Promoted": "green", "
                "RolledBack": "red", "Failed": "bold red", "Pending": "dim"}
 VERDICT_STYLE = {"Successful": "green", "Failed": "red", "Inconclusive": "yellow", "Error": "magenta",
                  "Skipped": "dim"}
+# The narrowest Detail column that still reads as sentences (half an 80-column line); narrower, the
+# details are folded under the analysis table. A detail shorter than this needs only its own length.
+DETAIL_MIN = 40
+ANALYSIS_COLUMNS = ("Check", "Role", "Value", "Threshold", "Window", "Verdict", "Breaches")
+WRAPPING = ("Value", "Threshold")   # the columns a folded table may wrap
 
 
 def render_status(obj: dict[str, Any], *, events: Sequence[dict[str, Any]] = (),
                   pods: Sequence[dict[str, Any]] | None = None) -> Group:
     """The rollout `obj`: summary (with any CoarseSteps warning), its pods, its last analysis."""
     parts: list[Any] = [_summary(obj, ready_count(pods) if pods is not None else None, events),
-                        _pods(obj.get("status") or {}), _analysis(obj.get("status") or {})]
+                        _pods(obj.get("status") or {}), Analysis(obj.get("status") or {})]
     return Group(*parts)
 
 
@@ -110,9 +122,12 @@ def _summary(obj: dict[str, Any], ready: int | None, events: Sequence[dict[str, 
 
 
 def _pods(status: dict[str, Any]) -> Table:
+    """The rollout's pods. On a narrow terminal the revision and the time give way, folded onto
+    more lines; a pod name, a track and a count are never cut (a pod is told apart by its last
+    characters)."""
     pods = Table(title="Pods", title_justify="left")
     for column in ("Pod", "Track", "Revision", "Restarts", "Patched at"):
-        pods.add_column(column)
+        pods.add_column(column, **({"overflow": "fold"} if column in ("Revision", "Patched at") else {"no_wrap": True}))
     for p in status.get("pods") or []:
         pods.add_row(p["name"], Text(p.get("track", ""), style="cyan" if p.get("track") == "canary" else ""),
                      p.get("revision") or "?", str(p.get("restartCount", 0)), p.get("patchedAt") or "-")
@@ -130,17 +145,71 @@ def _value(result: dict[str, Any]) -> str:
     return f"{value:.4g}"
 
 
-def _analysis(status: dict[str, Any]) -> Table:
-    analysis = status.get("analysis") or {}
-    metrics = Table(title=f"Analysis (last run {analysis.get('lastRun') or 'never'}: "
-                          f"{analysis.get('verdict') or '-'})", title_justify="left")
-    for column in ("Check", "Role", "Value", "Threshold", "Window", "Verdict", "Breaches", "Detail"):
-        metrics.add_column(column)
-    for r in analysis.get("results") or []:
-        verdict = r.get("verdict", "")
-        role = r.get("role", "breaker")
-        metrics.add_row(r["name"] + (" (dry run)" if r.get("dryRun") else ""), role,
-                        _value(r), r.get("threshold", ""), r.get("window", ""),
-                        Text(verdict, style=VERDICT_STYLE.get(verdict, "")),
-                        str(r.get("breaches", 0)) if role == "breaker" else "", r.get("message", ""))
-    return metrics
+class Analysis:
+    """The last analysis run: a row per check, its detail (the sentence the check judged with) in
+    the Detail column where that column gets at least `DETAIL_MIN` characters, else folded under
+    the table as numbered notes. Decided at each render, for the width it is drawn at."""
+
+    def __init__(self, status: dict[str, Any]):
+        analysis = status.get("analysis") or {}
+        self.title = (f"Analysis (last run {analysis.get('lastRun') or 'never'}: "
+                      f"{analysis.get('verdict') or '-'})")
+        self.results: list[dict[str, Any]] = list(analysis.get("results") or [])
+        # the note number of each row with a detail, counted down the table
+        with_detail = [i for i, r in enumerate(self.results) if r.get("message")]
+        self.note = {row: number for number, row in enumerate(with_detail, 1)}
+
+    def table(self, details: str = "inline") -> Table:
+        """The table with each detail in its Detail column (`inline`), with the number of its note
+        in a Note column instead (`notes`), or with neither (`none`)."""
+        inline = details == "inline"
+        # Folded, the table is as narrow as it can be without cutting a word: no rules between the
+        # columns, and only Value and Threshold (short phrases) wrap; a dry run's mark goes under
+        # its check's name.
+        metrics = Table(title=self.title, title_justify="left",
+                        **({} if inline else {"box": box.SIMPLE_HEAD, "show_edge": False, "padding": (0, 0)}))
+        last = {"inline": ("Detail",), "notes": ("Note",), "none": ()}[details]
+        for column in ANALYSIS_COLUMNS + last:
+            metrics.add_column(column, no_wrap=not inline and column not in WRAPPING)
+        for row, r in enumerate(self.results):
+            verdict = r.get("verdict", "")
+            role = r.get("role", "breaker")
+            dry = ((" " if inline else "\n") + "(dry run)") if r.get("dryRun") else ""
+            cells: list[Any] = [r["name"] + dry, role, _value(r), r.get("threshold", ""), r.get("window", ""),
+                                Text(verdict, style=VERDICT_STYLE.get(verdict, "")),
+                                str(r.get("breaches", 0)) if role == "breaker" else ""]
+            if details == "inline":
+                cells.append(Text(r.get("message") or ""))
+            elif details == "notes":
+                cells.append(Text(f"[{self.note[row]}]" if row in self.note else ""))
+            metrics.add_row(*cells)
+        return metrics
+
+    def notes(self) -> Table:
+        """Each check's detail as a numbered note, its lines wrapped under its first word."""
+        notes = Table.grid(padding=(0, 1))
+        notes.add_column(no_wrap=True, justify="right", style="dim")
+        notes.add_column()
+        for row, number in self.note.items():
+            notes.add_row(Text(f"[{number}]"), Text(self.results[row]["message"]))
+        return notes
+
+    def inline_fits(self, console: Console, options: ConsoleOptions) -> bool:
+        """Whether the Detail column gets `DETAIL_MIN` characters (or the longest detail's length,
+        if shorter) next to the other columns at their natural width: the column's own padding
+        and rule take 3 more."""
+        longest = max((len(r.get("message") or "") for r in self.results), default=0)
+        if longest == 0:
+            return True
+        others = Measurement.get(console, options, self.table("none")).maximum
+        return options.max_width - others - 3 >= min(DETAIL_MIN, longest)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if self.inline_fits(console, options):
+            yield self.table("inline")
+        else:
+            yield self.table("notes")
+            yield self.notes()
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement.get(console, options, self.table("inline"))

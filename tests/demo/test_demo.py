@@ -1,7 +1,9 @@
 """`graft demo` without running it whole (the full run takes minutes; run it by hand): where it
 writes, its logs kept off the terminal, the scale-up after the promotion followed and reported, a
-scale-up that does not happen said as a failure, and the drift drill: passed only when
-output-divergence rolled it back, and reported with its numbers and plotted."""
+scale-up that does not happen said as a failure, the drift drill: passed only when
+output-divergence rolled it back, and reported with its numbers and plotted, and the plot of a
+rollout: the canary's traffic share, canary beside stable for each check with its limit."""
+import json
 import logging
 import subprocess
 import sys
@@ -11,9 +13,9 @@ import pytest
 import yaml
 
 from graft.cli import build_parser
-from graft.demo import (ACTS, EXAMPLES, EXPECTED, Join, Timeline, act_problem, demo_paths, demo_rollout,
-                        join_section, logs_to, plot, prepare_workdir, report, rollback_cause, rollout_section,
-                        scale_up, series)
+from graft.demo import (ACTS, EXAMPLES, EXPECTED, Join, Timeline, act_problem, checks_of, demo_paths, demo_rollout,
+                        join_section, logs_to, plot, plot_panels, prepare_workdir, report, rollback_cause,
+                        rollout_section, scale_up, series)
 from graft.devcluster.apiserver import ApiServer
 from graft.devcluster.cluster import CRDS, ROOT, ClusterOptions, engine_deployment
 from graft.devcluster.traffic import Outcome, TrafficStats
@@ -205,8 +207,14 @@ def test_the_report_says_what_rolled_the_drill_back_in_numbers_and_plots_the_div
         div["value"] = divergent / compared if compared else None
         timeline.add(t0 + 10 * i, ro)
         timeline.add(t0 + 10 * i + 1, ro)       # the same run seen twice: one point
-    png = plot(timeline, tmp_path, {"breaker/output-divergence": 0.05, "breaker/error-rate": 0.005})
+    drill = demo_rollout(ROOT / "examples" / "rollout-drift-test.yaml", "llm", "8s", "2s")
+    png = plot(timeline, tmp_path, checks_of(drill))
     assert png.exists() and png.stat().st_size > 10_000
+    plotted = json.loads((tmp_path / "drift-drill-plot.json").read_text())
+    divergence = plotted["panels"]["divergence"]["series"]
+    assert divergence["divergent share"]["v"] == [None, 0.0, 50.0, pytest.approx(66.67, abs=0.01)]
+    assert divergence["limit (5%)"] == {"t": [0.0, 31.0], "v": [5.0, 5.0], "limit": True}
+    assert plotted["decided"] == 30.0
     text = "\n".join(rollout_section(timeline, final, [], png, {"revision": "drift@1,kv-align@3.2.1",
                                                                  "divergent": 4, "agree": 3, "mean_kl": 1.75}))
     assert "**Rolled back by `output-divergence`** at step 2/3 (weight 50%)" in text
@@ -214,6 +222,7 @@ def test_the_report_says_what_rolled_the_drill_back_in_numbers_and_plots_the_div
     assert "lower bound of the divergent share, 9.4%, is above the 5% limit" in text
     assert "4 divergent, 3 agree, 0 error; mean KL of a compared request 1.75 nats" in text
     assert "| ttft-p99 | breaker (dry run) | Inconclusive |" in text
+    assert "its series are in [drift-drill-plot.json](drift-drill-plot.json)" in text
     assert "| error-rate | breaker | Successful | error-rate 0% (0 errors of 22 canary requests" in text
 
 
@@ -227,3 +236,84 @@ def test_the_divergence_series_has_one_point_per_analysis_run():
     assert series(timeline.samples, "breaker/output-divergence", "compared") == ([0.0, 2.0, 3.0], [0.0, 2.0, 3.0])
     assert series(timeline.samples, "breaker/output-divergence", "lower", scale=100)[1] == [9.4, 9.4, 9.4]
     assert series(timeline.samples, "gate/tpot-p99") == ([], [])
+
+
+def cpu_fleet_run(i: int) -> dict:
+    """The kv-align rollout of the first act as its status stands after analysis run `i` (0, 1, 2):
+    every check it judges the canary by, each with the numbers the operator records."""
+    results = [
+        {"name": "error-rate", "role": "breaker", "verdict": "Successful", "value": 0.01 * i,
+         "numbers": {"requests": 20.0, "errors": 0.2 * i, "rate": 0.01 * i, "limit": 0.005}},
+        {"name": "ttft-p99", "role": "breaker", "verdict": "Inconclusive" if i == 0 else "Successful",
+         "value": None if i == 0 else (0.5 + 0.1 * i) / 0.4,
+         "numbers": {"canary_quantile": 0.5 + 0.1 * i, "canary_samples": 250, "stable_quantile": 0.4,
+                     "stable_samples": 400}},
+        # no stable sample in run 1: a p99 of 0, which the plot leaves out (and so its limit)
+        {"name": "tpot-p99", "role": "breaker", "verdict": "Inconclusive", "value": None,
+         "numbers": {"canary_quantile": 0.2, "canary_samples": 40, "stable_quantile": 0.0 if i == 1 else 0.18,
+                     "stable_samples": 0 if i == 1 else 90}},
+        {"name": "output-divergence", "role": "breaker", "verdict": "Successful", "value": 0.0,
+         "numbers": {"compared": 2.0 * i, "divergent": 0.0, "share": 0.0, "lower": 0.0, "limit": 0.05}},
+        {"name": "error-rate-delta", "role": "gate", "verdict": "Inconclusive", "value": 0.0,
+         "numbers": {"canary_requests": 10.0 * (i + 1), "canary_errors": float(i), "stable_requests": 30.0,
+                     "stable_errors": 0.3 * i, "limit": 0.05}},
+    ]
+    return {"metadata": {"name": "kv-align-3-2-1-cpu"},
+            "spec": {"patch": {"name": "kv-align", "version": "3.2.1"}},
+            "status": {"phase": "Progressing", "stepIndex": 2 if i else 1, "weight": 50 if i else 20,
+                       "trafficShare": 66.7 if i else 33.3,
+                       "analysis": {"lastRun": f"run {i}", "results": results}}}
+
+
+def test_the_plot_sets_canary_beside_stable_for_each_check_with_its_limit_and_the_traffic_share(tmp_path):
+    timeline = Timeline("kv-align-3-2-1-cpu")
+    for i in range(3):
+        timeline.add(1_796_000_000.0 + 10 * i, cpu_fleet_run(i))
+    rollout = demo_rollout(ROOT / "examples" / "rollout-cpu-fleet.yaml", "llm", "8s", "2s")
+    png = plot(timeline, tmp_path, checks_of(rollout))
+    assert png.exists() and png.stat().st_size > 10_000
+    plotted = json.loads((tmp_path / "kv-align-3-2-1-cpu-plot.json").read_text())
+    panels = plotted["panels"]
+    assert list(panels) == ["traffic", "errors", "ttft-p99", "tpot-p99", "compared", "divergence"]
+
+    def v(panel: str, label: str) -> list:
+        return panels[panel]["series"][label]["v"]
+
+    # the traffic: asked, by pod count, and measured (canary requests of all, over the step)
+    assert v("traffic", "weight the step asks for") == [20, 50, 50]
+    assert v("traffic", "canary pods' share of the pods (status.trafficShare)") == [33.3, 66.7, 66.7]
+    assert v("traffic", "canary pods' share of the requests (measured, error-rate-delta)") == pytest.approx(
+        [100 * 10 / 40, 100 * 20 / 50, 100 * 30 / 60])
+    # the error rate: the breaker's canary rate, canary beside stable over the step, both limits
+    assert v("errors", "canary (error-rate, 60s)") == pytest.approx([0.0, 1.0, 2.0])
+    assert v("errors", "canary (error-rate-delta, over the step)") == pytest.approx([0.0, 5.0, 2 / 30 * 100])
+    assert v("errors", "stable (error-rate-delta, over the step)") == pytest.approx([0.0, 1.0, 2.0])
+    assert v("errors", "error-rate limit (0.5%)") == [0.5, 0.5]
+    assert v("errors", "error-rate-delta limit (stable + 5 pp)") == pytest.approx([5.0, 6.0, 7.0])
+    assert all(panels["errors"]["series"][k]["limit"] == k.startswith("error-rate") for k in panels["errors"]["series"])
+    assert panels["errors"]["judged"] == "error-rate judged at 3 of 3 runs; error-rate-delta judged at 0 of 3 runs"
+    # latency: canary and stable p99 in ms, the limit the check judges by (maxRatio x stable)
+    assert v("ttft-p99", "TTFT p99 canary") == pytest.approx([500.0, 600.0, 700.0])
+    assert v("ttft-p99", "TTFT p99 stable") == pytest.approx([400.0, 400.0, 400.0])
+    assert v("ttft-p99", "limit (1.5 x stable)") == pytest.approx([600.0, 600.0, 600.0])
+    assert panels["ttft-p99"]["judged"] == "ttft-p99 judged at 2 of 3 runs"
+    stable, limit = v("tpot-p99", "TPOT p99 stable"), v("tpot-p99", "limit (1.3 x stable)")
+    assert stable[1] is None and limit[1] is None
+    assert [stable[0], stable[2], limit[0], limit[2]] == pytest.approx([180.0, 180.0, 234.0, 234.0])
+    assert panels["tpot-p99"]["judged"] == "tpot-p99 judged at 0 of 3 runs"
+    assert v("compared", "compared") == [0.0, 2.0, 4.0]
+    assert plotted["decided"] is None
+
+
+def test_a_rollout_without_latency_checks_gets_no_latency_panels():
+    timeline = Timeline("fault-drill")
+    run = cpu_fleet_run(1)
+    run["status"]["analysis"]["results"] = [r for r in run["status"]["analysis"]["results"]
+                                            if not r["name"].endswith("-p99")]
+    timeline.add(1_796_000_000.0, run)
+    fault = demo_rollout(ROOT / "examples" / "rollout-fault-test.yaml", "llm", "8s", "2s")
+    panels = plot_panels(timeline, checks_of(fault))
+    assert [p.key for p in panels] == ["traffic", "errors", "compared", "divergence"]
+    errors = {line.label: line for line in panels[1].lines}
+    assert errors["error-rate-delta limit (stable + 0.1 pp)"].v == pytest.approx([1.1])
+    assert [line.v for line in panels[0].lines] == [[50.0], [66.7], [pytest.approx(40.0)]]
