@@ -32,7 +32,10 @@ prometheus:
 TEST_WORKERS ?= 2
 # Two test workers share the cores, each starting engines: OpenMP threads must sleep between
 # operators, not spin (libgomp spins when it manages no more threads than there are cores).
+# Before the tests, the import contracts in pyproject.toml's [tool.importlinter] (which layer may
+# import which): under a second, and no cache left in the tree.
 test: setup prometheus
+	$(VENV)/bin/lint-imports --no-cache
 	TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: setup

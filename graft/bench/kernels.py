@@ -43,7 +43,7 @@ Timer = Callable[[Callable[[], object], float], float]
 
 @dataclass(slots=True)
 class Case:
-    kernel: str           # "decode", "prefill.paged", "prefill.slot", "kv.store", "decode.cpu",
+    kernel: str           # "decode", "prefill.slot", "kv.store", "decode.cpu",
                           # "decode.avx512", "prefill.cpu", and the LAYER_KERNELS
     dtype: str
     batch: int            # sequences; for kv.store, tokens stored
@@ -83,16 +83,11 @@ class Prepared:
 def cases(quick: bool) -> list[Case]:
     batches = [1, 64] if quick else [1, 8, 32, 64]
     contexts = [128, 4096] if quick else [128, 512, 1024, 4096]
-    prefills = [(1, 0, 1024), (1, 3584, 512), (64, 0, 128)] if quick else [
-        (1, 0, 128), (1, 0, 1024), (1, 0, 4096), (8, 0, 512),
-        (64, 0, 128), (1, 3584, 512), (16, 1024, 256), (4, 2048, 2048),
-    ]
     slot_prefills = [(3584, 512)] if quick else [(0, 512), (0, 2048), (3584, 512)]
     stores = [1, 4096] if quick else [1, 64, 512, 4096]
     out: list[Case] = []
     for dtype in ("fp16", "bf16"):
         out += [Case("decode", dtype, b, c - 1, 1) for b in batches for c in contexts]
-        out += [Case("prefill.paged", dtype, b, prior, new) for b, prior, new in prefills]
         out += [Case("prefill.slot", dtype, 1, prior, new) for prior, new in slot_prefills]
         out += [Case("kv.store", dtype, t, 0, 1) for t in stores]
     return out
@@ -113,7 +108,7 @@ def prepare(case: Case, device: torch.device) -> Prepared:
     from graft.kernels import reference
     from graft.kernels.kv_store import store_kv
     from graft.kernels.paged_decode import paged_decode_attention
-    from graft.kernels.prefill import paged_prefill_attention, prefill_attention
+    from graft.kernels.prefill import prefill_attention
 
     dtype = DTYPES[case.dtype]
     size = torch.finfo(dtype).bits // 8
@@ -128,8 +123,9 @@ def prepare(case: Case, device: torch.device) -> Prepared:
         want = lambda: reference.decode_attention(q, k_cache, v_cache, tables, lens, SCALE)
         return Prepared(got, want, lambda: (got(), want()), 2 * b * total * N_KV * HEAD_DIM * size, "GB/s")
     if case.kernel == "decode.cpu":
-        from graft.engine.attention import decode_attention_varlen
-        from graft.kernels.cpu_decode import NativeKernelError, paged_decode_attention_cpu, supports
+        from graft.kernels.cpu_decode import paged_decode_attention_cpu, supports
+        from graft.kernels.native_build import NativeKernelError
+        from graft.kernels.torch_attention import decode_attention_varlen
         k_cache, v_cache, tables = paged_cache(b, total, dtype, device)
         q = torch.randn(b, N_HEADS, HEAD_DIM, dtype=dtype, device=device)
         if not supports(q, k_cache):
@@ -139,9 +135,9 @@ def prepare(case: Case, device: torch.device) -> Prepared:
         want = lambda: decode_attention_varlen(q, k_cache, v_cache, tables, lens, SCALE, None)
         return Prepared(got, want, lambda: (got(), want()), 2 * b * total * N_KV * HEAD_DIM * size, "GB/s")
     if case.kernel == "decode.avx512":
-        from graft.engine.attention import decode_attention_varlen
         from graft.kernels.cpu_avx512 import paged_decode_attention, supports_decode
-        from graft.kernels.cpu_decode import NativeKernelError
+        from graft.kernels.native_build import NativeKernelError
+        from graft.kernels.torch_attention import decode_attention_varlen
         k_cache, v_cache, tables = paged_cache(b, total, dtype, device)
         q = torch.randn(b, N_HEADS, HEAD_DIM, dtype=dtype, device=device)
         if not supports_decode(q, k_cache, v_cache):
@@ -151,9 +147,9 @@ def prepare(case: Case, device: torch.device) -> Prepared:
         want = lambda: decode_attention_varlen(q, k_cache, v_cache, tables, lens, SCALE, None)
         return Prepared(got, want, lambda: (got(), want()), 2 * b * total * N_KV * HEAD_DIM * size, "GB/s")
     if case.kernel == "prefill.cpu":
-        from graft.engine.attention import prefill_attention_fused
         from graft.kernels.cpu_avx512 import prefill_attention, supports_prefill
-        from graft.kernels.cpu_decode import NativeKernelError
+        from graft.kernels.native_build import NativeKernelError
+        from graft.kernels.torch_attention import prefill_attention_fused
         q = torch.randn(new, N_HEADS, HEAD_DIM, dtype=dtype, device=device)
         k = torch.randn(total, N_KV, HEAD_DIM, dtype=dtype, device=device)
         v = torch.randn(total, N_KV, HEAD_DIM, dtype=dtype, device=device)
@@ -164,15 +160,6 @@ def prepare(case: Case, device: torch.device) -> Prepared:
         return Prepared(got, want, lambda: (got(), want()), _causal_flops(prior, new), "TFLOP/s")
     if case.kernel in LAYER_KERNELS:
         return _prepare_layer(case)
-    if case.kernel == "prefill.paged":
-        k_cache, v_cache, tables = paged_cache(b, total, dtype, device)
-        q = torch.randn(b * new, N_HEADS, HEAD_DIM, dtype=dtype, device=device)
-        cu = torch.arange(0, b * new + 1, new, dtype=torch.int32, device=device)
-        lens = [total] * b
-        lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
-        got = lambda: paged_prefill_attention(q, k_cache, v_cache, cu, lens_t, tables, SCALE, max_query_len=new)
-        want = lambda: reference.paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, SCALE)
-        return Prepared(got, want, lambda: (got(), want()), b * _causal_flops(prior, new), "TFLOP/s")
     if case.kernel == "prefill.slot":
         q = torch.randn(new, N_HEADS, HEAD_DIM, dtype=dtype, device=device)
         k = torch.randn(total, N_KV, HEAD_DIM, dtype=dtype, device=device)
@@ -213,7 +200,7 @@ def _prepare_layer(case: Case) -> Prepared:
 
     from graft.engine.models.llama import apply_rope
     from graft.kernels import cpu_avx512
-    from graft.kernels.cpu_decode import NativeKernelError
+    from graft.kernels.native_build import NativeKernelError
 
     if not cpu_avx512.available():
         raise NativeKernelError("the AVX-512 BF16 kernels are not available here (see the log)")
@@ -368,8 +355,8 @@ def environment(device: torch.device) -> dict[str, str]:
 
 def tiny_cases() -> list[Case]:
     """Shapes small enough for the interpreter: correctness of every kernel in seconds."""
-    return [Case("decode", "fp16", 2, 100, 1), Case("prefill.paged", "fp16", 1, 64, 16),
-            Case("prefill.slot", "fp16", 1, 32, 16), Case("kv.store", "fp16", 8, 0, 1)]
+    return [Case("decode", "fp16", 2, 100, 1), Case("prefill.slot", "fp16", 1, 32, 16),
+            Case("kv.store", "fp16", 8, 0, 1)]
 
 
 def cpu_cases(quick: bool) -> list[Case]:

@@ -3,7 +3,8 @@
 `add_engine_args` is shared by `graft serve`, `graft bench` and the tests' launcher, and takes its
 defaults from `EngineConfig`, so there is a single place that says what the engine runs with out of
 the box. This module stays free of heavy imports (the CLI builds its parser eagerly, and the
-operator image has no torch); torch is imported only to resolve `dtype="auto"` on a GPU.
+operator image has no torch): the CPU's flags come from graft.kernels.native_build, which loads
+without torch, and torch is imported only to resolve `dtype="auto"` on a GPU.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import argparse
 import json
 from dataclasses import dataclass, fields
 from pathlib import Path
+
+from graft.kernels.native_build import cpu_flags
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # "fast": the vectorised attention, fused QKV and batched sampler (what the 3.2.1 patches ship);
@@ -75,18 +78,6 @@ class EngineConfig:
 
 
 # ---- dtype "auto" ----
-
-def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
-    """The instruction-set flags of the first CPU in /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
 
 def model_dtype(model: str | None) -> str | None:
     """The dtype a Hugging Face folder's config.json declares; None for GGUF files (quantized)."""

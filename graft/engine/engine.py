@@ -310,12 +310,10 @@ class LLMEngine:
         shadow_blocks = list(range(total - shadow_n, total))
         self.block_manager = BlockManager(total - shadow_n, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        slots = default_slots(default_policy, sample_per_row, config.paths).with_slots({"request.outcome": no_outcome})
-        if self.device.type == "cuda":  # the Triton kernels serve the hot loops on a GPU
-            from graft.kernels.dispatch import kernel_slots
-            slots = slots.with_slots(kernel_slots(self.device))
-        self.base_slots: SlotTable = slots
-        self._state = EngineState(slots)
+        # which implementation serves each slot on this device and paths: graft.kernels.dispatch decides
+        self.base_slots: SlotTable = default_slots(default_policy, sample_per_row, config.paths,
+                                                   self.device).with_slots({"request.outcome": no_outcome})
+        self._state = EngineState(self.base_slots)
         self.metrics = EngineMetrics()
         self.metrics.set_revision(None, self.revision)
         self.shadow = ShadowComparator(

@@ -19,6 +19,7 @@ from graft.engine.loader import ModelConfig
 from graft.engine.patches.slots import SlotTable
 from graft.engine.scheduler import ScheduledBatch
 from graft.engine.sequence import Sequence
+from graft.kernels.dispatch import native_layers
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +75,14 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         if config.threads:
             torch.set_num_threads(config.threads)
-        if config.paths == "fast":
+        fast = config.paths == "fast"
+        if fast:
             model.fuse_qkv(pin=True)   # the fast `linear.qkv` is one matmul over these
             model.fuse_mlp()
-            if model.use_native_layers():
-                log.info("native CPU layers on (RMSNorm, RoPE, SiLU-and-mul, small-row linear)")
+        if native_layers(device, dtype, fast, hidden_size=model_config.hidden_size, head_dim=model_config.head_dim,
+                         intermediate_size=model_config.intermediate_size):
+            model.use_native_layers()
+            log.info("native CPU layers on (RMSNorm, RoPE, SiLU-and-mul, small-row linear)")
 
     # inputs
     def prepare(self, batch: ScheduledBatch) -> PreparedStep:

@@ -17,17 +17,19 @@ Two attention kernels in `csrc/cpu_avx512bf16.c`, both on the CPU's bf16 dot-pro
   weighted in float32. A sequence is one work item and each cached token's row (all its KV
   heads) is read at once, 32 tokens prefetched ahead across the scattered blocks.
 
-And the layer around attention, which `LlamaForCausalLM.use_native_layers` runs in place of
-torch's operators: RMSNorm fused with the residual add, RoPE on queries and keys at once,
-SiLU-and-mul, and a linear layer for the few rows of a decode step (torch's bf16 matmul reads the
-weights far below the memory's speed there). Each rounds where torch's bf16 operators round.
+And the layer around attention, which the model's native forward (graft.engine.models.llama,
+where `graft.kernels.dispatch.native_layers` allows it) runs in place of torch's operators:
+RMSNorm fused with the residual add, RoPE on queries and keys at once, SiLU-and-mul, and a linear
+layer for the few rows of a decode step (torch's bf16 matmul reads the weights far below the
+memory's speed there). Each rounds where torch's bf16 operators round.
 
 `graft bench kernels` times both against the paths they replace (docs/benchmarks.md). They are
-built, cached and loaded as `cpu_decode` is (same cache, same `GRAFT_NATIVE_KERNELS` switch),
-with AVX-512 flags, and only on a CPU whose /proc/cpuinfo lists them (Intel from Cooper Lake and
-Sapphire Rapids, AMD from Zen 4). Elsewhere, in another dtype, or for a head size other than 64,
-the engine keeps the paths before them (`prefill_attention_fused`, the `cpu_decode` kernel or
-`decode_attention_varlen`): the same results within bf16 rounding.
+built and loaded by graft.kernels.native_build, as `cpu_decode` is (same cache, same
+`GRAFT_NATIVE_KERNELS` switch), with AVX-512 flags, and only on a CPU whose /proc/cpuinfo lists
+them (Intel from Cooper Lake and Sapphire Rapids, AMD from Zen 4). Elsewhere, in another dtype, or
+for a head size other than 64, graft.kernels.dispatch keeps the paths before them
+(`prefill_attention_fused`, the `cpu_decode` kernel or `decode_attention_varlen`): the same results
+within bf16 rounding.
 """
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ from pathlib import Path
 
 import torch
 
-from graft.kernels.cpu_decode import BASE_FLAGS, NativeKernelError, call_paged_decode, load_native
+from graft.kernels import native_build
+from graft.kernels.cpu_decode import call_paged_decode
+from graft.kernels.native_build import NativeKernelError
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +76,13 @@ def _bind(path: Path) -> ctypes.CDLL:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (with the reason logged once) where they cannot be had."""
-    from graft.engine.config import cpu_flags
     instead = "bf16 attention runs without AVX-512 kernels"
-    missing = REQUIRED_CPU - cpu_flags()
+    missing = REQUIRED_CPU - native_build.cpu_flags()
     if missing:
         log.info("this CPU lacks %s: %s", ", ".join(sorted(missing)), instead)
         return None
-    return load_native(SOURCE, BASE_FLAGS + ISA_FLAGS, _bind, "the AVX-512 attention kernels", instead)
+    return native_build.load_native(SOURCE, native_build.BASE_FLAGS + ISA_FLAGS, _bind,
+                                    "the AVX-512 attention kernels", instead)
 
 
 def available() -> bool:
@@ -145,7 +149,13 @@ def paged_decode_attention(
 #
 # Each function below takes bf16 CPU tensors whose last dimension is contiguous and returns what
 # the torch expression in its docstring returns, within a bf16 rounding. Callers check the
-# matching `supports_*` first (graft.engine.models.llama falls back to the torch expression).
+# matching `supports_*` first, or `supports_layers` once for a whole model's sizes.
+
+
+def supports_layers(hidden_size: int, head_dim: int, intermediate_size: int) -> bool:
+    """Whether a decoder of these sizes can run every layer kernel below (RMSNorm over the hidden
+    size, RoPE over the head size, SiLU-and-mul over the intermediate size), the kernels built."""
+    return hidden_size % 16 == 0 and head_dim % 32 == 0 and intermediate_size % 16 == 0 and available()
 
 
 def _rows_ok(*tensors: torch.Tensor) -> bool:

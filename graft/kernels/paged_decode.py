@@ -111,7 +111,7 @@ def paged_decode_attention(
     del gather
     group = _check_decode_args(q, k_cache, v_cache, block_tables)
     batch, _, head_dim = q.shape
-    lens = context_lens_tensor(context_lens, batch, q.device)
+    lens = _context_lens_tensor(context_lens, batch, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     if batch == 0:
         return out
@@ -134,7 +134,7 @@ def _num_warps(group: int, head_dim: int) -> int:
     return 4 if size <= 8192 else 8
 
 
-def context_lens_tensor(context_lens: Sequence[int] | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+def _context_lens_tensor(context_lens: Sequence[int] | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
     """context_lens as an int tensor on `device`: a list is copied over, a tensor checked and kept."""
     if isinstance(context_lens, torch.Tensor):
         if context_lens.shape != (batch,) or context_lens.device != device:
@@ -149,14 +149,6 @@ def context_lens_tensor(context_lens: Sequence[int] | torch.Tensor, batch: int, 
 def _check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> int:
     if q.dim() != 3:
         raise ValueError(f"q must be [B, n_heads, d], got {tuple(q.shape)}")
-    check_paged_cache(q, k_cache, v_cache, block_tables)
-    if block_tables.shape[0] != q.shape[0]:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for a batch of {q.shape[0]}")
-    return q.shape[1] // k_cache.shape[2]
-
-
-def check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
-    """Shared checks of the paged-attention kernels: cache shapes, GQA grouping, devices, index dtype."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"caches must both be [num_blocks, block_size, n_kv, d], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
@@ -172,3 +164,7 @@ def check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     devices = {t.device for t in (q, k_cache, v_cache, block_tables)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for a batch of {q.shape[0]}")
+    return n_heads // n_kv
+

@@ -1,21 +1,13 @@
-"""Variable-length causal prefill attention, flash style, reading K/V from the paged cache.
+"""Causal prefill attention, flash style: the `attention.prefill` slot on CUDA.
 
-Design: the queries of a step's prefills are packed ([T, H, d], sequence b at
-cu_query_lens[b] : cu_query_lens[b + 1]), and keys/values are read in place from the paged
-cache through each sequence's block table. The engine stores a chunk's new K/V first
-(`kv.store`), then calls this kernel once for the whole batch; context_lens[b] counts sequence
-b's cached tokens including the chunk, so the chunk sits at positions
-context_lens[b] - query_len .. context_lens[b] - 1 and attends over all earlier cached context
-plus itself, causally. This serves chunked prefill and prefix caching with no gather copy and one
-launch per layer, where a packed-K/V design would first copy every sequence's cached context
-into a contiguous buffer.
+The slot, `prefill_attention(q, k, v, scale)`, takes one sequence's chunk of queries [Lq, H, d]
+and its keys and values [Lk, n_kv, d], contiguous (the engine's `kv.gather` has read the earlier
+context out of the paged cache, or the chunk is the whole of it); the queries are the last Lq
+keys' positions. The kernel reads the buffer as a cache of 64-token blocks through an identity
+block table, so each key tile is one table lookup and 32-bit offsets from its block's base (the
+tail block is only partly valid, and masked loads never read past the last key).
 
-The `attention.prefill(q, k, v, scale)` slot takes one sequence's contiguous K/V; `prefill_attention`
-serves it with the same kernel by reading the contiguous buffer as a cache of 64-token blocks
-with an identity block table (its tail block is only partly valid, and masked loads never read
-past the last key).
-
-Grid: (query tiles of BLOCK_M rows, sequences, query heads). Each program walks key tiles of
+Grid: (query tiles of BLOCK_M rows, one sequence, query heads). Each program walks key tiles of
 BLOCK_N tokens up to its last query's position only (causal skipping), with an online softmax and
 fp32 accumulation. fp16/bf16 tiles go to `tl.dot` as they are (tensor cores, fp32 accumulate);
 fp32 inputs, and bf16 under the CPU interpreter (whose bf16 arithmetic is wrong), are computed in
@@ -23,21 +15,19 @@ exact fp32.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
 from graft.kernels.dispatch import interpreter_enabled
-from graft.kernels.paged_decode import check_paged_cache, context_lens_tensor
 
-CONTIGUOUS_BLOCK = 64
+CONTIGUOUS_BLOCK = 64   # tokens per block of the identity table over the contiguous K/V
+KEY_TILE = 64           # keys per tile (BLOCK_N): a divisor of CONTIGUOUS_BLOCK, and >= 16 for tl.dot
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _paged_prefill_kernel(
+def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_query_lens_ptr, context_lens_ptr, out_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_qd,
@@ -78,21 +68,13 @@ def _paged_prefill_kernel(
     for start in range(0, key_end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < key_end
-        if BLOCK_SIZE % BLOCK_N == 0:
-            # The tile lies inside one cache block: one table lookup, then 32-bit offsets from its base.
-            block = tl.load(block_tables_ptr + seq * stride_btb + (start // BLOCK_SIZE) * stride_btn).to(tl.int64)
-            k_base = k_cache_ptr + block * stride_kcb
-            v_base = v_cache_ptr + block * stride_vcb
-            k_rows = (cols % BLOCK_SIZE) * stride_kco
-            v_rows = (cols % BLOCK_SIZE) * stride_vco
-        else:
-            # Blocks smaller than a tile: one table lookup per token.
-            blocks = tl.load(block_tables_ptr + seq * stride_btb + (cols // BLOCK_SIZE) * stride_btn,
-                             mask=col_ok, other=0).to(tl.int64)
-            k_base = k_cache_ptr
-            v_base = v_cache_ptr
-            k_rows = blocks * stride_kcb + (cols % BLOCK_SIZE) * stride_kco
-            v_rows = blocks * stride_vcb + (cols % BLOCK_SIZE) * stride_vco
+        # The tile lies inside one block (BLOCK_N divides BLOCK_SIZE): one table lookup, then 32-bit
+        # offsets from the block's base.
+        block = tl.load(block_tables_ptr + seq * stride_btb + (start // BLOCK_SIZE) * stride_btn).to(tl.int64)
+        k_base = k_cache_ptr + block * stride_kcb
+        v_base = v_cache_ptr + block * stride_vcb
+        k_rows = (cols % BLOCK_SIZE) * stride_kco
+        v_rows = (cols % BLOCK_SIZE) * stride_vco
         kt_ptrs = k_base + k_rows[None, :] + kv_head * stride_kch + dims[:, None] * stride_kcd
         kt = tl.load(kt_ptrs, mask=dim_ok[:, None] & col_ok[None, :], other=0.0)       # [D, BLOCK_N]
         v_ptrs = v_base + v_rows[:, None] + kv_head * stride_vch + dims[None, :] * stride_vcd
@@ -116,39 +98,6 @@ def _paged_prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_query_lens: torch.Tensor,
-    context_lens: Sequence[int] | torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    max_query_len: int | None = None,
-    block_m: int | None = None,
-    block_n: int = 64,
-) -> torch.Tensor:
-    """Causal attention for a packed batch of prompt chunks whose K/V are already in the paged cache.
-
-    q [T, H, d]; caches [num_blocks, block_size, n_kv, d]; cu_query_lens [B + 1] int tensor (on
-    q's device) of prefix sums of the chunk lengths; context_lens [B] (list or int tensor) counts
-    each sequence's cached tokens including its chunk; block_tables [B, max_blocks].
-    max_query_len saves a device sync when the caller knows it. Returns [T, H, d].
-    """
-    _check_prefill_args(q, cu_query_lens)
-    check_paged_cache(q, k_cache, v_cache, block_tables)
-    batch = cu_query_lens.shape[0] - 1
-    if block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {batch} sequences")
-    lens = context_lens_tensor(context_lens, batch, q.device)
-    if max_query_len is None:
-        max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max().item()) if batch else 0
-    return _launch(
-        q, k_cache, v_cache, k_cache.stride(), v_cache.stride(), k_cache.shape[1],
-        block_tables, cu_query_lens, lens, max_query_len, scale, block_m, block_n,
-    )
-
-
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """The `attention.prefill` slot: causal attention of q [Lq, H, d] over contiguous k, v [Lk, n_kv, d].
 
@@ -164,42 +113,26 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}: head dims must match, heads divide")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     if lq == 0:
-        return torch.empty_like(q)
+        return out
     device = q.device
     # Token t of the buffer is block t // 64, offset t % 64 of a cache whose block stride is 64 tokens.
     block_table = torch.arange(triton.cdiv(lk, CONTIGUOUS_BLOCK), dtype=torch.int32, device=device)[None, :]
     # Built on the device rather than copied from a host list: no host-to-device copy per layer.
     cu = torch.arange(2, dtype=torch.int32, device=device) * lq
     lens = torch.full((1,), lk, dtype=torch.int32, device=device)
-    k_strides = (CONTIGUOUS_BLOCK * k.stride(0), *k.stride())
-    v_strides = (CONTIGUOUS_BLOCK * v.stride(0), *v.stride())
-    return _launch(q, k, v, k_strides, v_strides, CONTIGUOUS_BLOCK, block_table, cu, lens, lq, scale, None, 64)
-
-
-def _launch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    k_strides: Sequence[int], v_strides: Sequence[int], block_size: int,
-    block_tables: torch.Tensor, cu_query_lens: torch.Tensor, context_lens: torch.Tensor,
-    max_query_len: int, scale: float, block_m: int | None, block_n: int,
-) -> torch.Tensor:
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
-    batch = cu_query_lens.shape[0] - 1
-    if max_query_len <= 0 or batch == 0:
-        return out
     n_heads, head_dim = q.shape[1], q.shape[2]
     exact = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreter_enabled())
-    block_m = block_m or _default_block_m(max_query_len, exact)
-    for name, size in (("block_m", block_m), ("block_n", block_n)):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot tiles), got {size}")
-    grid = (triton.cdiv(max_query_len, block_m), batch, n_heads)
-    _paged_prefill_kernel[grid](
-        q, k, v, block_tables, cu_query_lens, context_lens, out,
+    block_m = _default_block_m(lq, exact)
+    grid = (triton.cdiv(lq, block_m), 1, n_heads)
+    _prefill_kernel[grid](
+        q, k, v, block_table, cu, lens, out,
         scale * _LOG2E,
-        *q.stride(), *k_strides, *v_strides, *block_tables.stride(), *out.stride(),
-        GROUP=n_heads // k.shape[-2], HEAD_DIM=head_dim, HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        *q.stride(), CONTIGUOUS_BLOCK * k.stride(0), *k.stride(), CONTIGUOUS_BLOCK * v.stride(0), *v.stride(),
+        *block_table.stride(), *out.stride(),
+        GROUP=n_heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=CONTIGUOUS_BLOCK, BLOCK_M=block_m, BLOCK_N=KEY_TILE,
         UPCAST=exact, DOT_PRECISION="ieee" if exact else "tf32",
         # fp32 tiles take twice the registers: more threads keep a 32-row tile from spilling (sm_90).
         num_warps=8 if exact and block_m >= 32 else 4,
@@ -210,13 +143,3 @@ def _launch(
 def _default_block_m(max_query_len: int, exact: bool) -> int:
     # Short chunks waste less of a 16- or 32-row tile than of a 64-row one; fp32 stops at 32 rows.
     return max(16, min(32 if exact else 64, triton.next_power_of_2(max_query_len)))
-
-
-def _check_prefill_args(q: torch.Tensor, cu_query_lens: torch.Tensor) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, n_heads, d], got {tuple(q.shape)}")
-    if cu_query_lens.dim() != 1 or cu_query_lens.shape[0] < 1 or cu_query_lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_query_lens must be a 1-D int tensor [B + 1], "
-                         f"got {cu_query_lens.dtype} {tuple(cu_query_lens.shape)}")
-    if cu_query_lens.device != q.device:
-        raise ValueError(f"cu_query_lens is on {cu_query_lens.device}, q on {q.device}")

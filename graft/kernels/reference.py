@@ -1,7 +1,8 @@
-"""Plain-torch twins of the kernels: they define what correct means.
+"""Plain-torch twins of the Triton kernels: they define what correct means.
 
 Every twin does its arithmetic in float32 and returns the input dtype, the same contract as the
-Triton kernels, so a kernel is right when it agrees with its twin to rounding.
+Triton kernels, so a kernel is right when it agrees with its twin to rounding. The dispatch
+(graft.kernels.dispatch) serves them in the kernels' place where Triton cannot compile.
 
 Shapes (the engine's, see graft.engine.patches.slots):
 - a paged cache is [num_blocks, block_size, n_kv, d]; a flat slot is block * block_size + offset;
@@ -83,31 +84,6 @@ def decode_attention(
         if n > 0:
             k, v = gather(k_cache, v_cache, block_tables[i], n)
             out[i] = prefill_attention(q[i : i + 1], k, v, scale)[0]
-    return out
-
-
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_query_lens: torch.Tensor,
-    context_lens: Sequence[int] | torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention for a packed batch of prompt chunks whose K/V are already in the paged cache.
-
-    q [T, H, d] holds sequence b's new tokens at cu_query_lens[b] : cu_query_lens[b + 1];
-    context_lens[b] counts its cached tokens including these new ones. Returns [T, H, d].
-    """
-    cu = _as_list(cu_query_lens)
-    lens = _as_list(context_lens)
-    out = torch.empty_like(q)
-    for b, n in enumerate(lens):
-        start, end = cu[b], cu[b + 1]
-        if end > start:
-            k, v = gather_kv(k_cache, v_cache, block_tables[b], n)
-            out[start:end] = prefill_attention(q[start:end], k, v, scale)
     return out
 
 

@@ -8,6 +8,9 @@ from graft.engine import attention as A
 from graft.engine.loader import ModelConfig
 from graft.engine.models.llama import Attention
 from graft.engine.patches.slots import SLOT_NAMES
+from graft.engine.sampler import sample_batched
+from graft.kernels import dispatch
+from graft.kernels import torch_attention as TA
 
 BLOCK = 64
 N_HEADS, N_KV, D = 6, 2, 16
@@ -57,7 +60,7 @@ def test_gather_over_shuffled_block_table_returns_the_stored_tokens(gather, leng
 
 @pytest.mark.parametrize("lq,lk", [(1, 1), (7, 7), (64, 64), (5, 70), (1, 130), (33, 200)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("impl", [A.prefill_attention_fused, A.prefill_attention_fast])
+@pytest.mark.parametrize("impl", [TA.prefill_attention_fused, A.prefill_attention_fast])
 def test_prefill_naive_and_fused_agree(lq, lk, dtype, impl):
     gen = torch.Generator().manual_seed(lq * 1000 + lk)
     q = torch.randn(lq, N_HEADS, D, generator=gen).to(dtype)
@@ -70,7 +73,7 @@ def test_prefill_naive_and_fused_agree(lq, lk, dtype, impl):
     torch.testing.assert_close(fused, naive, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("impl", [A.prefill_attention_naive, A.prefill_attention_fused, A.prefill_attention_fast])
+@pytest.mark.parametrize("impl", [A.prefill_attention_naive, TA.prefill_attention_fused, A.prefill_attention_fast])
 def test_prefill_is_causal_with_the_query_offset(impl):
     """Query i of the last Lq tokens sees keys up to Lk - Lq + i, never a later one."""
     gen = torch.Generator().manual_seed(0)
@@ -95,9 +98,9 @@ def test_decode_per_seq_batched_and_varlen_agree_over_shuffled_blocks(lengths):
     block_tables, scale = padded(tables), D**-0.5
 
     plain = A.decode_attention_per_seq(q, k_cache, v_cache, block_tables, lengths, scale, A.gather_per_block)
-    fast = A.decode_attention_batched(q, k_cache, v_cache, block_tables, lengths, scale, A.gather_aligned)
+    fast = TA.decode_attention_batched(q, k_cache, v_cache, block_tables, lengths, scale, A.gather_aligned)
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
-    varlen = A.decode_attention_varlen(q, k_cache, v_cache, block_tables, lengths, scale, A.gather_aligned)
+    varlen = TA.decode_attention_varlen(q, k_cache, v_cache, block_tables, lengths, scale, A.gather_aligned)
     torch.testing.assert_close(varlen, plain, atol=1e-5, rtol=1e-5)
     for i, (k, v) in enumerate(contexts):  # and both are attention over exactly that sequence's tokens
         expected = A.prefill_attention_naive(q[i : i + 1], k, v, scale)[0]
@@ -131,27 +134,57 @@ def test_qkv_fused_matches_separate_and_falls_back_when_unfused(bias):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_default_table_is_the_plain_family_and_fast_slots_are_patch_points():
+PLAIN_FAMILY = {"kv.store": A.store_kv, "kv.gather": A.gather_per_block, "attention.prefill": A.prefill_attention_naive,
+                "attention.decode": A.decode_attention_per_seq, "linear.qkv": A.qkv_separate}
+FAST_FAMILY = {"kv.store": A.store_kv, "kv.gather": A.gather_aligned, "attention.prefill": A.prefill_attention_fast,
+               "attention.decode": A.decode_attention_fast, "linear.qkv": A.qkv_fused}
+
+
+def test_default_table_is_the_plain_family():
     policy, sampler = object(), object()
     table = A.default_slots(policy, sampler)
-    model_side = {"kv.store", "kv.gather", "attention.prefill", "attention.decode", "linear.qkv"}
-    assert model_side | {"sampler", "scheduler.policy"} <= set(table) <= set(SLOT_NAMES)
-    assert table["attention.decode"] is A.decode_attention_per_seq
+    assert set(PLAIN_FAMILY) | {"sampler", "scheduler.policy"} <= set(table) <= set(SLOT_NAMES)
+    assert all(table[name] is impl for name, impl in PLAIN_FAMILY.items())
     assert table["scheduler.policy"] is policy and table["sampler"] is sampler
-    fast = table.with_slots(A.FAST_SLOTS)
-    assert fast["attention.prefill"] is A.prefill_attention_fast
-    assert all(fast[name] is not table[name] for name in A.FAST_SLOTS)
 
 
 def test_a_fresh_engine_runs_the_fast_family_unless_asked_for_the_plain_one():
-    from graft.engine.sampler import sample_batched
     policy, sampler = object(), object()
     fast = A.default_slots(policy, sampler, "fast")
-    assert all(fast[name] is impl for name, impl in A.FAST_SLOTS.items())
+    assert all(fast[name] is impl for name, impl in FAST_FAMILY.items())
     assert fast["sampler"] is sample_batched and fast["scheduler.policy"] is policy
+    # the fast attention slots are the dispatch's choosers, under the names the 3.2.1 patches use
+    assert A.prefill_attention_fast is dispatch.prefill_attention_fast
+    assert A.decode_attention_fast is dispatch.decode_attention_fast
     assert A.default_slots(policy, sampler, "plain")["attention.decode"] is A.decode_attention_per_seq
     with pytest.raises(ValueError, match="fast or plain"):
         A.default_slots(policy, sampler, "3.2.0")
+
+
+def test_the_builtin_patches_together_make_the_fast_family_of_the_plain_table():
+    """What the 3.2.1 patches ship is what a fresh engine on the fast paths runs: so a patched
+    plain engine and a fast one serve the same code, and `graft bench patches` compares like with like."""
+    from graft.engine.patches.builtin import patches
+    policy, sampler = object(), object()
+    patched = A.default_slots(policy, sampler, "plain")
+    for patch in patches():
+        patched = patched.with_slots(patch.slots)
+    fast = A.default_slots(policy, sampler, "fast")
+    assert {name: patched[name] for name in patched} == {name: fast[name] for name in fast}
+
+
+@pytest.mark.parametrize("paths", ["fast", "plain"])
+def test_on_cuda_the_kernels_serve_the_store_and_attention_whatever_the_paths(paths):
+    """The table of an engine on CUDA is its family's with `kv.store` and attention from the
+    dispatch's kernels (their twins here: the tests run under the Triton interpreter, which is
+    never served from); the family keeps the other slots."""
+    policy, sampler = object(), object()
+    on_cuda = A.default_slots(policy, sampler, paths, "cuda")
+    on_cpu = A.default_slots(policy, sampler, paths, "cpu")
+    kernels = dispatch.kernel_slots("cuda")
+    assert set(kernels) == {"kv.store", "attention.prefill", "attention.decode"}
+    assert all(on_cuda[name] is impl for name, impl in kernels.items())
+    assert all(on_cuda[name] is on_cpu[name] for name in on_cpu if name not in kernels)
 
 
 def test_weights_fused_at_load_survive_the_revert_of_a_patch_that_also_fuses():
@@ -189,3 +222,20 @@ def test_fused_gate_up_is_the_same_mlp_without_a_second_copy_of_its_weights():
     mlp.fuse()
     torch.testing.assert_close(mlp(x), separate, atol=1e-6, rtol=1e-6)
     assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up_weight.data_ptr()
+
+
+def test_the_native_layers_need_gate_and_up_fused():
+    """The native forward runs the MLP as one gate-and-up matmul: a model not fused refuses it."""
+    from graft.engine.models.llama import LlamaForCausalLM
+    cfg = ModelConfig(
+        vocab_size=32, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=N_HEADS, num_kv_heads=N_KV,
+        head_dim=D, rope_theta=10000.0, rms_eps=1e-5, max_position=128, tie_embeddings=True,
+        bos_token_id=None, eos_token_id=None, name="tiny",
+    )
+    model = LlamaForCausalLM(cfg)
+    with pytest.raises(ValueError, match="fuse_mlp"):
+        model.use_native_layers()
+    assert not model.native_layers
+    model.fuse_mlp()
+    model.use_native_layers()
+    assert model.native_layers

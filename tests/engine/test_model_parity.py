@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graft.engine.attention import FAST_SLOTS, default_slots
+from graft.engine.attention import default_slots
 from graft.engine.context import StepContext
 from graft.engine.loader import ModelConfig, default_model_path, load_model
 from graft.engine.patches.slots import SlotTable
@@ -85,8 +85,7 @@ class PagedKV:
         return model(torch.tensor(ids), ctx, self.caches, slots)
 
 
-PLAIN = default_slots(policy=None, sampler=None)
-FAMILIES = {"plain": PLAIN, "fast": PLAIN.with_slots(FAST_SLOTS)}
+FAMILIES = {paths: default_slots(policy=None, sampler=None, paths=paths) for paths in ("plain", "fast")}
 
 
 @pytest.fixture(scope="module")

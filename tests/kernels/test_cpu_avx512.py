@@ -16,11 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graft.engine import attention as A
-from graft.engine.config import cpu_flags
-from graft.kernels import cpu_decode, cpu_avx512
+from graft.kernels import cpu_avx512, dispatch, native_build
+from graft.kernels import torch_attention as TA
 
-HAS_ISA = cpu_avx512.cpu_supported(cpu_flags())
+HAS_ISA = cpu_avx512.cpu_supported(native_build.cpu_flags())
 needs_isa = pytest.mark.skipif(not HAS_ISA, reason="this CPU has no AVX-512 BF16 (the engine uses torch's SDPA)")
 
 
@@ -63,7 +62,7 @@ def test_matches_exact_attention_as_closely_as_torch_sdpa_in_bf16(lq, lk):
     q, k, v = inputs(lq, lk, seed=lq * 7 + lk)
     want = exact(q, k, v, 0.125)
     got = cpu_avx512.prefill_attention(q, k, v, 0.125)
-    sdpa = A.prefill_attention_fused(q, k, v, 0.125)
+    sdpa = TA.prefill_attention_fused(q, k, v, 0.125)
     assert got.shape == (lq, 9, 64) and got.dtype == torch.bfloat16
     err, sdpa_err = (got.double() - want).abs().max().item(), (sdpa.double() - want).abs().max().item()
     # bf16 output rounding alone is up to 2^-9 of a value; the kernel may not be worse than torch
@@ -124,12 +123,12 @@ def test_refuses_what_it_does_not_take():
     assert not cpu_avx512.supports_prefill(q, k, v[:7])                                  # k and v disagree
     wide = torch.randn(4, 9, 128).bfloat16()[..., ::2]                            # last dim strided
     assert not cpu_avx512.supports_prefill(wide, k, v)
-    with pytest.raises(cpu_decode.NativeKernelError, match="does not take"):
+    with pytest.raises(native_build.NativeKernelError, match="does not take"):
         cpu_avx512.prefill_attention(q.float(), k.float(), v.float(), 0.125)
     # and the engine's slot routes what the kernel refuses to SDPA, with the same answer
     q32, k32, v32 = q.float(), k.float(), v.float()
-    torch.testing.assert_close(A.prefill_attention_fast(q32, k32, v32, 0.125),
-                               A.prefill_attention_fused(q32, k32, v32, 0.125))
+    torch.testing.assert_close(dispatch.prefill_attention_fast(q32, k32, v32, 0.125),
+                               TA.prefill_attention_fused(q32, k32, v32, 0.125))
 
 
 def test_switched_off_by_the_environment(monkeypatch):
@@ -138,25 +137,25 @@ def test_switched_off_by_the_environment(monkeypatch):
 
 
 def test_a_cpu_without_avx512_bf16_keeps_torch_and_says_why(monkeypatch, caplog):
-    monkeypatch.setattr("graft.engine.config.cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    monkeypatch.setattr("graft.kernels.native_build.cpu_flags", lambda: {"avx2", "fma", "avx512f"})
     with caplog.at_level(logging.INFO, logger="graft.kernels.cpu_avx512"):
         assert cpu_avx512.library() is None
     assert "avx512_bf16" in caplog.text
     q, k, v = inputs(5, 9)
-    torch.testing.assert_close(A.prefill_attention_fast(q, k, v, 0.125), A.prefill_attention_fused(q, k, v, 0.125))
+    torch.testing.assert_close(dispatch.prefill_attention_fast(q, k, v, 0.125), TA.prefill_attention_fused(q, k, v, 0.125))
 
 
 @needs_isa
 def test_a_failed_build_leaves_the_torch_path_and_says_why(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("GRAFT_KERNEL_CACHE", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="graft.kernels.cpu_avx512"):
+    with caplog.at_level(logging.WARNING, logger="graft.kernels.native_build"):
         assert cpu_avx512.library() is None
     assert "could not build the AVX-512 attention kernels" in caplog.text
 
 
 def test_compiled_without_the_native_march():
-    assert not any("march" in f for f in cpu_avx512.ISA_FLAGS + cpu_decode.BASE_FLAGS)
+    assert not any("march" in f for f in cpu_avx512.ISA_FLAGS + native_build.BASE_FLAGS)
     assert cpu_avx512.cpu_supported({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma", "sse4_2"})
     assert not cpu_avx512.cpu_supported({"avx512f", "avx512bw", "avx512vl", "fma"})
 
@@ -173,20 +172,20 @@ def test_the_model_in_bf16_is_as_close_to_float32_attention_through_the_kernel_a
     from tests.support import data_dir
 
     engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_memory=64 << 20))
-    assert engine.slots["attention.prefill"] is A.prefill_attention_fast and cpu_avx512.available()
+    assert engine.slots["attention.prefill"] is dispatch.prefill_attention_fast and cpu_avx512.available()
     ids = engine.tokenizer.encode(bbh_prompts(data_dir(), ["date_understanding"])[0].text)[:700]
     blocks = list(range(11))
 
     def logits(prefill):
         return engine.runner.probe_logits(ids, engine.slots.with_slots({"attention.prefill": prefill}), blocks)
 
-    exact32 = logits(lambda q, k, v, s: A.prefill_attention_fused(q.float(), k.float(), v.float(), s).to(q.dtype))
+    exact32 = logits(lambda q, k, v, s: TA.prefill_attention_fused(q.float(), k.float(), v.float(), s).to(q.dtype))
     scale = exact32.abs().amax(-1)
 
     def stray(x):
         return (x - exact32).abs().amax(-1) / scale, (x.argmax(-1) == exact32.argmax(-1)).float().mean()
 
-    (kernel, kernel_agree), (sdpa, sdpa_agree) = stray(logits(A.prefill_attention_fast)), stray(logits(A.prefill_attention_fused))
+    (kernel, kernel_agree), (sdpa, sdpa_agree) = stray(logits(dispatch.prefill_attention_fast)), stray(logits(TA.prefill_attention_fused))
     assert kernel.mean() <= 1.1 * sdpa.mean() and kernel.max() <= 1.25 * sdpa.max(), (kernel.mean(), sdpa.mean())
     assert kernel_agree >= sdpa_agree - 0.01 and kernel_agree > 0.95
 
@@ -223,7 +222,7 @@ def test_decode_matches_its_twin_over_shuffled_blocks(lengths, heads, n_kv):
     q = torch.randn(len(lengths), heads, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     got = cpu_avx512.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 0.125)
     # the twin in float32 over the same bf16 values: the kernel's only rounding is its bf16 output
-    want = A.decode_attention_varlen(q.float(), k_cache.float(), v_cache.float(), tables, lengths, 0.125, None)
+    want = TA.decode_attention_varlen(q.float(), k_cache.float(), v_cache.float(), tables, lengths, 0.125, None)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     torch.testing.assert_close(got.float(), want, atol=4e-3, rtol=8e-3)
 
@@ -237,11 +236,11 @@ def test_decode_reads_nothing_past_a_sequence_and_nothing_outside_the_cache():
     assert torch.equal(cpu_avx512.paged_decode_attention(q, k_cache, v_cache, tables, [70], 0.125), before)
     bad = tables.clone()
     bad[0, 1] = k_cache.shape[0]
-    with pytest.raises(cpu_decode.NativeKernelError, match="outside the cache"):
+    with pytest.raises(native_build.NativeKernelError, match="outside the cache"):
         cpu_avx512.paged_decode_attention(q, k_cache, v_cache, bad, [100], 0.125)
-    with pytest.raises(cpu_decode.NativeKernelError, match="length"):
+    with pytest.raises(native_build.NativeKernelError, match="length"):
         cpu_avx512.paged_decode_attention(q, k_cache, v_cache, tables, [129], 0.125)
-    with pytest.raises(cpu_decode.NativeKernelError, match="length"):
+    with pytest.raises(native_build.NativeKernelError, match="length"):
         cpu_avx512.paged_decode_attention(q, k_cache, v_cache, tables, [0], 0.125)
 
 
@@ -255,5 +254,5 @@ def test_decode_refuses_what_it_does_not_take():
     one_kv = paged([10], n_kv=1)
     assert not cpu_avx512.supports_decode(torch.randn(1, 17, 64).bfloat16(), *one_kv[:2])   # a group of 17
     assert not cpu_avx512.supports_decode(q, k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous())
-    with pytest.raises(cpu_decode.NativeKernelError, match="does not take"):
+    with pytest.raises(native_build.NativeKernelError, match="does not take"):
         cpu_avx512.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, [10], 0.125)

@@ -1,4 +1,4 @@
-"""The native CPU decode attention (graft/kernels/cpu_decode.py) against its torch twin.
+"""The native CPU decode attention (graft/kernels/cpu_decode.py) against its torch twin, and how it is built.
 
 The kernel reads the paged cache in place through the block tables; its twin,
 `decode_attention_varlen`, gathers each sequence's blocks and attends with torch. Both must give
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from graft.engine import attention as A
-from graft.kernels import cpu_decode
+from graft.kernels import cpu_decode, dispatch, native_build
+from graft.kernels.torch_attention import decode_attention_varlen
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +62,7 @@ def test_native_decode_matches_its_torch_twin_in_float32(lengths, heads, n_kv, d
     q = torch.randn(len(lengths), heads, d, generator=torch.Generator().manual_seed(1))
     scale = d ** -0.5
     native = cpu_decode.paged_decode_attention_cpu(q, k_cache, v_cache, tables, lengths, scale)
-    twin = A.decode_attention_varlen(q, k_cache, v_cache, tables, lengths, scale, A.gather_aligned)
+    twin = decode_attention_varlen(q, k_cache, v_cache, tables, lengths, scale, A.gather_aligned)
     torch.testing.assert_close(native, twin, atol=2e-6, rtol=1e-5)
     # and each row is attention over exactly that sequence's tokens, nothing of its neighbours
     for i, n in enumerate(lengths):
@@ -77,7 +78,7 @@ def test_native_decode_matches_its_torch_twin_in_bfloat16(lengths, heads, n_kv, 
     native = cpu_decode.paged_decode_attention_cpu(q, k_cache, v_cache, tables, lengths, d ** -0.5)
     # the reference in float32 from the same bf16 inputs: the kernel computes in float32 and
     # rounds once, so it sits within one bf16 rounding of it
-    exact = A.decode_attention_varlen(q.float(), k_cache.float(), v_cache.float(), tables, lengths, d ** -0.5,
+    exact = decode_attention_varlen(q.float(), k_cache.float(), v_cache.float(), tables, lengths, d ** -0.5,
                                       A.gather_aligned)
     assert native.dtype == torch.bfloat16
     torch.testing.assert_close(native.float(), exact, atol=1e-2, rtol=1e-2)
@@ -90,7 +91,7 @@ def test_peaked_scores_keep_their_weight_and_drop_nothing_that_counts():
     k_cache, v_cache, tables = paged(lengths, 3, 64, torch.float32, seed=3)
     q = 40 * torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(4))
     native = cpu_decode.paged_decode_attention_cpu(q, k_cache, v_cache, tables, lengths, 0.125)
-    twin = A.decode_attention_varlen(q, k_cache, v_cache, tables, lengths, 0.125, A.gather_aligned)
+    twin = decode_attention_varlen(q, k_cache, v_cache, tables, lengths, 0.125, A.gather_aligned)
     torch.testing.assert_close(native, twin, atol=1e-5, rtol=1e-5)
 
 
@@ -105,8 +106,8 @@ def test_the_fast_slot_uses_a_native_kernel_on_a_cpu_in_bf16_and_the_twin_in_fp3
     for dtype in (torch.bfloat16, torch.float32):
         k_cache, v_cache, tables = paged(lengths, 3, 64, dtype)
         q = torch.randn(2, 9, 64).to(dtype)
-        out = A.decode_attention_fast(q, k_cache, v_cache, tables, lengths, 0.125, A.gather_aligned)
-        twin = A.decode_attention_varlen(q, k_cache, v_cache, tables, lengths, 0.125, None)
+        out = dispatch.decode_attention_fast(q, k_cache, v_cache, tables, lengths, 0.125, A.gather_aligned)
+        twin = decode_attention_varlen(q, k_cache, v_cache, tables, lengths, 0.125, None)
         torch.testing.assert_close(out.float(), twin.float(), atol=1e-2, rtol=1e-2)
     # fp32: the twin's matmuls are the faster ones
     assert calls == (["avx512"] if cpu_avx512.available() else ["portable"])
@@ -116,7 +117,7 @@ def test_the_fast_slot_uses_a_native_kernel_on_a_cpu_in_bf16_and_the_twin_in_fp3
     cpu_decode.library.cache_clear()
     try:
         k_cache, v_cache, tables = paged(lengths, 3, 64, torch.bfloat16)
-        A.decode_attention_fast(torch.randn(2, 9, 64).bfloat16(), k_cache, v_cache, tables, lengths, 0.125, None)
+        dispatch.decode_attention_fast(torch.randn(2, 9, 64).bfloat16(), k_cache, v_cache, tables, lengths, 0.125, None)
     finally:
         cpu_avx512.library.cache_clear()
     assert calls == []                    # switched off: both native kernels, not just one
@@ -125,16 +126,16 @@ def test_the_fast_slot_uses_a_native_kernel_on_a_cpu_in_bf16_and_the_twin_in_fp3
 def test_a_block_outside_the_cache_is_refused_not_read():
     k_cache, v_cache, tables = paged([100], 3, 64, torch.float32, spare=0)
     tables[0, 1] = k_cache.shape[0]                # one past the last block
-    with pytest.raises(cpu_decode.NativeKernelError, match="outside the cache"):
+    with pytest.raises(native_build.NativeKernelError, match="outside the cache"):
         cpu_decode.paged_decode_attention_cpu(torch.randn(1, 9, 64), k_cache, v_cache, tables, [100], 0.125)
     tables[0, 1] = -1
-    with pytest.raises(cpu_decode.NativeKernelError, match="outside the cache"):
+    with pytest.raises(native_build.NativeKernelError, match="outside the cache"):
         cpu_decode.paged_decode_attention_cpu(torch.randn(1, 9, 64), k_cache, v_cache, tables, [100], 0.125)
 
 
 def test_a_length_beyond_the_block_table_is_refused():
     k_cache, v_cache, tables = paged([100], 3, 64, torch.float32)
-    with pytest.raises(cpu_decode.NativeKernelError, match="length"):
+    with pytest.raises(native_build.NativeKernelError, match="length"):
         cpu_decode.paged_decode_attention_cpu(torch.randn(1, 9, 64), k_cache, v_cache, tables, [129], 0.125)
 
 
@@ -142,8 +143,8 @@ def test_tensors_it_does_not_take_go_to_the_twin():
     k_cache, v_cache, tables = paged([10], 3, 64, torch.float16)
     q = torch.randn(1, 9, 64).half()
     assert not cpu_decode.supports(q, k_cache)          # no float16 kernel
-    out = A.decode_attention_fast(q, k_cache, v_cache, tables, [10], 0.125, A.gather_aligned)
-    torch.testing.assert_close(out, A.decode_attention_varlen(q, k_cache, v_cache, tables, [10], 0.125, None))
+    out = dispatch.decode_attention_fast(q, k_cache, v_cache, tables, [10], 0.125, A.gather_aligned)
+    torch.testing.assert_close(out, decode_attention_varlen(q, k_cache, v_cache, tables, [10], 0.125, None))
     k32, _, _ = paged([10], 3, 64, torch.float32)
     assert not cpu_decode.supports(torch.randn(1, 64, 9).transpose(1, 2), k32)   # not contiguous
 
@@ -156,7 +157,7 @@ def test_switched_off_by_the_environment(monkeypatch):
 def test_a_failed_build_leaves_the_torch_path_and_says_why(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "false")            # a "compiler" that fails
     monkeypatch.setenv("GRAFT_KERNEL_CACHE", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="graft.kernels.cpu_decode"):
+    with caplog.at_level(logging.WARNING, logger="graft.kernels.native_build"):
         assert cpu_decode.library() is None
     assert "could not build the native decode kernel" in caplog.text
     assert list(tmp_path.iterdir()) == []        # no half-written library left behind
@@ -175,7 +176,15 @@ def test_built_once_per_machine_and_reused(monkeypatch, tmp_path):
 def test_isa_flags_never_ask_for_the_native_march():
     assert cpu_decode.isa_flags({"avx2", "fma", "avx512f"}) == ("-mavx2", "-mfma")
     assert cpu_decode.isa_flags({"sse4_2"}) == ()
-    assert not any("march" in f for f in cpu_decode.BASE_FLAGS)
+    assert not any("march" in f for f in native_build.BASE_FLAGS)
+
+
+def test_the_cpu_flags_are_the_first_cpus_and_none_without_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512_bf16\n\n"
+                       "processor\t: 1\nflags\t\t: fpu sse4_2\n")
+    assert native_build.cpu_flags(cpuinfo) == {"fpu", "avx2", "fma", "avx512_bf16"}
+    assert native_build.cpu_flags(tmp_path / "missing") == set()
 
 
 @pytest.mark.parametrize("kernel", ["portable", "fast slot"])
@@ -190,14 +199,14 @@ def test_the_model_in_bf16_gives_the_same_logits_through_the_kernel_as_through_i
     from tests.support import data_dir
 
     engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_memory=64 << 20))
-    assert engine.slots["attention.decode"] is A.decode_attention_fast and cpu_decode.available()
-    impl = cpu_decode.paged_decode_attention_cpu if kernel == "portable" else A.decode_attention_fast
+    assert engine.slots["attention.decode"] is dispatch.decode_attention_fast and cpu_decode.available()
+    impl = cpu_decode.paged_decode_attention_cpu if kernel == "portable" else dispatch.decode_attention_fast
     prompt = bbh_prompts(data_dir(), ["date_understanding"])[0].text
     ids = engine.tokenizer.encode(prompt)[:700]
     blocks = list(range(11))            # the engine is idle: any 11 blocks hold the 700 tokens
     native = engine.runner.probe_logits(ids, engine.slots.with_slots({"attention.decode": impl}), blocks)[-1]
     twin = engine.runner.probe_logits(
-        ids, engine.slots.with_slots({"attention.decode": A.decode_attention_varlen}), blocks)[-1]
+        ids, engine.slots.with_slots({"attention.decode": decode_attention_varlen}), blocks)[-1]
     # bf16 rounds every hidden state; over 30 layers that is an absolute error of a few hundredths
     # of the logits' range, on small logits as on large ones
     assert native.topk(5).indices.tolist() == twin.topk(5).indices.tolist()

@@ -14,10 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from graft.engine import attention as A
-from graft.engine.config import cpu_flags
 from graft.engine.models.llama import RMSNorm, apply_rope
-from graft.kernels import cpu_avx512
-from graft.kernels.cpu_decode import NativeKernelError
+from graft.kernels import cpu_avx512, dispatch
+from graft.kernels.native_build import NativeKernelError, cpu_flags
 
 pytestmark = pytest.mark.skipif(not cpu_avx512.cpu_supported(cpu_flags()),
                                 reason="this CPU has no AVX-512 BF16 (the model keeps its torch layers)")
@@ -149,11 +148,11 @@ def test_linear_leaves_to_torch_what_it_is_not_for():
     assert not cpu_avx512.supports_linear(randn(4, 100), randn(64, 100))                   # k % 32
     assert not cpu_avx512.supports_linear(randn(4, 576), randn(60, 576))                   # n % 8
     assert not cpu_avx512.supports_linear(randn(4, 576), randn(576, 64).T)                 # weight strided
-    # the engine's `linear` sends each to the right one, with a bias always to torch
+    # the dispatch's `linear` sends each to the right one, with a bias always to torch
     x, b = randn(4, 576), randn(64)
-    torch.testing.assert_close(A.linear(x, w, b), F.linear(x, w, b))
+    torch.testing.assert_close(dispatch.linear(x, w, b), F.linear(x, w, b))
     x = randn(100, 576)
-    assert torch.equal(A.linear(x, w), F.linear(x, w))
+    assert torch.equal(dispatch.linear(x, w), F.linear(x, w))
     with pytest.raises(NativeKernelError, match="does not take"):
         cpu_avx512.linear(randn(cpu_avx512.LINEAR_MAX_ROWS + 1, 576), w)
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from graft.engine.patches.slots import SlotTable
-from graft.kernels import kernel_slots, reference, triton_available
+from graft.kernels import reference
+from graft.kernels.dispatch import kernel_slots, triton_available
 from graft.kernels.kv_store import store_kv
 
 N_KV, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 3, 64, 64, 6

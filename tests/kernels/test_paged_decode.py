@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from graft.engine.patches.slots import SlotTable
-from graft.kernels import kernel_slots, reference, triton_available
+from graft.kernels import reference
+from graft.kernels.dispatch import kernel_slots, triton_available
 from graft.kernels.paged_decode import paged_decode_attention
 
 

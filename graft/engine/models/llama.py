@@ -2,7 +2,10 @@
 
 The attention maths lives behind the slot table (`kv.store`, `kv.gather`, `attention.prefill`,
 `attention.decode`, `linear.qkv`); the model passes the table in on every call and never keeps it,
-so a hot patch that swaps the table changes the next forward pass and nothing else.
+so a hot patch that swaps the table changes the next forward pass and nothing else. The work
+around attention (norms, residual adds, RoPE, the MLP) runs in torch's operators, or, once the
+engine has found the kernels fit (graft.kernels.dispatch.native_layers), through the AVX-512 BF16
+layer kernels (`use_native_layers`): a model mode chosen at load, the same slots either way.
 """
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graft.engine.attention import linear
 from graft.engine.context import StepContext
 from graft.kernels import cpu_avx512
+from graft.kernels.dispatch import linear
 
 if TYPE_CHECKING:
     from graft.engine.loader import ModelConfig
@@ -178,24 +181,22 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.mlp.fuse()
 
-    def use_native_layers(self) -> bool:
-        """Run the work around attention and the matmuls through graft/kernels/cpu_avx512.py
-        where it can: bf16 weights on a CPU with AVX-512 BF16, gate and up fused, sizes the
-        kernels take. Returns whether it does.
+    def use_native_layers(self) -> None:
+        """Run the work around attention and the matmuls through graft/kernels/cpu_avx512.py from
+        now on; the engine calls it where graft.kernels.dispatch.native_layers says the kernels fit
+        (the fast paths, bf16 weights on a CPU with AVX-512 BF16, sizes the kernels take).
 
         A decode step of this model is some 50 small torch operators per layer (the norms, the
         residual adds, RoPE, SiLU-and-mul) around five matmuls; their dispatch costs more than
         their arithmetic, and torch's bf16 matmul at a decode step's few rows reads the weights
         at well under the memory's speed. The native forward makes each layer about ten calls:
         two norms, each fused with the residual add before it, RoPE on queries and keys at once,
-        SiLU-and-mul, the slots, and the small-row linear kernel for the projections. Same results within bf16 rounding.
+        SiLU-and-mul, the slots, and the small-row linear kernel for the projections. Same results
+        within bf16 rounding. It runs gate and up as one matmul, so `fuse_mlp` comes first.
         """
-        cfg, weight = self.config, self.model.embed_tokens.weight
-        self.native_layers = (
-            weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_avx512.available()
-            and cfg.hidden_size % 16 == 0 and cfg.head_dim % 32 == 0 and cfg.intermediate_size % 16 == 0
-            and all(layer.mlp.gate_up_weight is not None for layer in self.layers))
-        return self.native_layers
+        if not all(layer.mlp.gate_up_weight is not None for layer in self.layers):
+            raise ValueError("the native layers need gate and up fused: call fuse_mlp() first")
+        self.native_layers = True
 
     @torch.inference_mode()
     def forward(
