@@ -5,7 +5,9 @@ Promoted, PromotedByUser, RollingBack, RolledBack, Paused, Resumed, Aborted, Pod
 PodDropped, InvalidSpec, InvalidControl, NoPods, EnginesUnreachable, RollbackBlocked,
 ProgressDeadlineExceeded, and the refusals UnknownPatch, PatchConflict, PatchRefused,
 Unauthorized, PodMisconfigured, PatchVerifyFailed, PatchChanged, DigestMismatch, BundleMissing, AdminTokenMissing,
-HTTPRouteMissing, BackendRefsMissing, HTTPRouteUpdateFailed.
+HTTPRouteMissing, BackendRefsMissing, HTTPRouteUpdateFailed, VersionReused, SignatureExpired; the
+trust refusals PrometheusNotAllowed, PrometheusSecretsNotAllowed, PrometheusSecretMissing; and the
+Warning NotAnEngine (a pod the selector picks that is no engine of its workload, left alone).
 """
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ Prometheus stopped and started again.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import re
 import secrets
@@ -57,6 +58,7 @@ from graft.api import BASE
 from graft.demo import demo_rollout, rollback_cause
 from graft.devcluster.cluster import ROOT
 from graft.devcluster.traffic import Outcome
+from graft.operator.pods import is_ready
 from graft.rollout.durations import parse_duration
 from graft.rollout.queries import CANARY, COMPARED, DIVERGENT, Context, quantile_query, shadow_query
 from graft.rollout.spec import DEFAULT_BREAKERS, parse_spec
@@ -448,3 +450,163 @@ async def test_killed_engine_comes_back_on_its_track(fleet: Fleet, traffic: Clie
     # only requests to the killed engine, sent before it was back, may have failed
     assert_clients(traffic, started, final.t, allowed=lambda o: o.pod == victim and o.at <= came_back)
     print(f"{victim} back {came_back - killed:.1f}s after the kill")
+
+
+# ---- a namespace-level attacker: create on Pods, Secrets and PatchRollouts in this namespace ----
+
+# A pod labelled into the fleet that is no engine of its workload: its "admin port" records every
+# call (and the Authorization it carried), its HTTP port tells what it recorded.
+TRAP_POD = r'''
+import http.server, json, os, threading
+seen = []
+class Admin(http.server.BaseHTTPRequestHandler):
+    def record(self):
+        seen.append({"method": self.command, "path": self.path, "authorization": self.headers.get("Authorization")})
+        self.send_response(200); self.send_header("content-type", "application/json"); self.end_headers()
+        self.wfile.write(b'{"revision": "base", "applied": []}')
+    do_GET = do_POST = do_PUT = do_DELETE = record
+    def log_message(self, *args): pass
+class Seen(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps(seen).encode()
+        self.send_response(200); self.send_header("content-type", "application/json"); self.end_headers()
+        self.wfile.write(body)
+    do_POST = do_GET
+    def log_message(self, *args): pass
+ip = os.environ["POD_IP"]
+threading.Thread(target=http.server.ThreadingHTTPServer((ip, 8081), Admin).serve_forever, daemon=True).start()
+http.server.ThreadingHTTPServer((ip, 8000), Seen).serve_forever()
+'''
+
+
+class Listener:
+    """An HTTP server on this machine's loopback posing as Prometheus: it records every request."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                seen.append({"path": self.path, "authorization": self.headers.get("Authorization")})
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.end_headers()
+                self.wfile.write(b'{"status": "success", "data": {"resultType": "vector", "result": []}}')
+            do_POST = do_GET
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def test_a_namespace_level_attacker_gets_no_token_no_secret_and_no_query_of_its_own(fleet: Fleet,
+                                                                                         traffic: ClientLoad):
+    """What someone allowed only to create Pods, Secrets and PatchRollouts in the fleet's namespace
+    tries: a trap pod labelled into the rollout, a rollout sending a Secret to a listener of its
+    own, a selector that matches every pod, and an argument that rewrites an administrator's
+    template query. The trap receives no call (so no token), the listener nothing, the selector is
+    refused at admission, and the argument stays one label value of the administrator's query."""
+    ns, api = fleet.namespace, fleet.api
+    trap_name, secret, template = f"trap-{RUN}", f"prom-token-{RUN}", f"admin-checklist-{RUN}"
+    listener = Listener()
+    (engine_pod,) = (await fleet.ready_pods())[:1]
+    trap = {"apiVersion": "v1", "kind": "Pod",
+            # the rollout's selector, and nothing of the workload's own labels (no owner, no template hash)
+            "metadata": {"name": trap_name, "namespace": ns, "labels": {"app": "llm-engine"}},
+            "spec": {"containers": [{
+                "name": "engine", "image": engine_pod["spec"]["containers"][0].get("image", "graft/engine"),
+                "command": ["python", "-c", TRAP_POD],
+                "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                "ports": [{"name": "http", "containerPort": 8000}, {"name": "admin", "containerPort": 8081}]}]}}
+    base = {"apiVersion": "graft.dev/v1alpha1", "kind": "PatchRollout",
+            "spec": {"selector": {"matchLabels": {"app": "llm-engine"}},
+                     "patch": {"name": "kv-align", "version": "3.2.1", "source": {"builtin": {}}},
+                     "steps": [{"weight": 1, "pause": "10m"}, {"weight": 100}]}}
+
+    def named(name: str, **spec: Any) -> dict[str, Any]:
+        ro = copy.deepcopy(base)
+        ro["metadata"] = {"name": f"e2e-{name}-{RUN}", "namespace": ns}
+        ro["spec"].update(spec)
+        return ro
+
+    async def trap_saw() -> list[dict[str, Any]]:
+        pod = await fleet.pod(trap_name)
+        reply = await fleet.http.get(f"http://{pod['status']['podIP']}:8000/seen")
+        return reply.json()
+
+    try:
+        reply = await api.post(f"/api/v1/namespaces/{ns}/pods", json=trap)
+        assert reply.status_code == 201, reply.text
+
+        async def trap_ready() -> bool:
+            pod = await fleet.pod(trap_name)
+            return bool(pod and (pod.get("status") or {}).get("podIP") and is_ready(pod))
+        await fleet.wait_for(trap_ready, 60, "the trap pod to be Ready")
+        reply = await api.post(f"/api/v1/namespaces/{ns}/secrets", json={
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": ns},
+            "data": {"token": base64.b64encode(b"prometheus-bearer-secret").decode()}})
+        assert reply.status_code == 201, reply.text
+
+        # 1. a Prometheus of the attacker's choosing, with a Secret to send it
+        exfil = named("exfil", analysis={"prometheus": {
+            "address": listener.url, "bearerTokenSecret": {"name": secret, "key": "token"}}})
+        await fleet.apply(exfil)
+
+        async def refused() -> dict[str, Any] | None:
+            status = ((await fleet.rollout(exfil["metadata"]["name"])) or {}).get("status") or {}
+            return status if status.get("reason") == "PrometheusNotAllowed" else None
+        status = await fleet.wait_for(refused, 60, "the rollout refused with PrometheusNotAllowed")
+        assert listener.url in status["message"] and "GRAFT_PROMETHEUS_ALLOWED" in status["message"]
+        await fleet.delete_rollout(exfil["metadata"]["name"])
+
+        # 2. a selector that names no fleet: refused by the API server, nothing created
+        everything = named("everything", selector={"matchExpressions": [
+            {"key": "app", "operator": "NotIn", "values": ["nothing"]}]})
+        reply = await api.post(fleet.rollout_path(), json=everything)
+        assert reply.status_code == 422 and "must name the fleet" in reply.text, reply.text
+        assert await fleet.rollout(everything["metadata"]["name"]) is None
+
+        # 3. an administrator's template, and an argument that tries to rewrite its query into a 7
+        reply = await api.post("/apis/graft.dev/v1alpha1/clusterpatchanalysistemplates", json={
+            "apiVersion": "graft.dev/v1alpha1", "kind": "ClusterPatchAnalysisTemplate",
+            "metadata": {"name": template},
+            "spec": {"args": [{"name": "route"}], "breakers": [{
+                "name": "route-errors", "max": 5,
+                "query": 'sum(graft_requests_total{namespace="{{namespace}}",route="{{args.route}}"}) or vector(0)'}]}})
+        assert reply.status_code == 201, reply.text
+        rewrite = named("rewrite", analysis={"interval": "2s", "templates": [{"name": template, "clusterScope": True}],
+                                             "args": [{"name": "route", "value": 'x"}) or vector(7) or sum(up{a="'}]})
+        async with Recorder(fleet, rewrite["metadata"]["name"]) as rec:
+            await fleet.apply(rewrite)
+            judged = await rec.until(lambda s: any(r["name"] == "route-errors" and r.get("value") is not None
+                                                   for r in (s.status.get("analysis") or {}).get("results") or []),
+                                     FINAL_TIMEOUT, "an analysis run of the template's breaker")
+        (result,) = [r for r in judged.status["analysis"]["results"] if r["name"] == "route-errors"]
+        assert result["value"] == 0 and result["verdict"] != "Failed", result    # one label value, matching nothing
+        assert judged.recorded("canary"), "the rollout went on with the engines of the workload"
+        assert trap_name not in judged.recorded("canary") + judged.recorded("stable")
+        events = await fleet.events(rewrite["metadata"]["name"])
+        assert any(e["reason"] == "NotAnEngine" and trap_name in e["message"] and e["type"] == "Warning"
+                   for e in events), reasons(events)
+        assert await trap_saw() == [], "the trap pod was called"
+        assert listener.seen == [], "the listener was asked"
+    finally:
+        listener.close()
+        for path in (f"/api/v1/namespaces/{ns}/pods/{trap_name}", f"/api/v1/namespaces/{ns}/secrets/{secret}",
+                     f"/apis/graft.dev/v1alpha1/clusterpatchanalysistemplates/{template}"):
+            await api.delete(path)
+        await fleet.wait_for(lambda: _gone(fleet, trap_name), 60, "the trap pod to be gone")
+
+
+async def _gone(fleet: Fleet, pod: str) -> bool:
+    return await fleet.pod(pod) is None
