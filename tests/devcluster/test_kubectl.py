@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from graft.rollout.spec import SELECTOR_MUST_NAME
+
 from .kubectl_cli import kubectl_binary, run_kubectl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,8 +71,8 @@ def test_kubectl_apply_validates_without_validate_false(kubeconfig):
 def test_kubectl_shows_the_cel_rule_that_refused_a_manifest(kubeconfig):
     refused = kubectl(kubeconfig, "apply", "-f", "-", stdin=example("empty-selector", selector={"matchLabels": {}}))
     assert refused.returncode != 0
-    assert ('The PatchRollout "empty-selector" is invalid: spec.selector: Invalid value: "object": must select '
-            "something: an empty selector would match every pod in the namespace") in refused.stderr
+    assert ('The PatchRollout "empty-selector" is invalid: spec.selector: Invalid value: "object": '
+            f"{SELECTOR_MUST_NAME}") in refused.stderr
 
 
 def test_kubectl_get_prints_the_crd_printer_columns(kubeconfig):

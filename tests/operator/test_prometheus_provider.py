@@ -102,13 +102,14 @@ def test_an_address_is_allowed_under_a_prefix_only(address, ok):
 
 
 def test_settings_read_the_allowed_addresses_and_refuse_a_bad_one():
-    s = OperatorSettings.from_env({"GRAFT_PROMETHEUS_ALLOWED": " https://prom.obs:9443/org ,",
+    tls = {"GRAFT_ADMIN_CA_FILE": "/ca.pem"}
+    s = OperatorSettings.from_env({**tls, "GRAFT_PROMETHEUS_ALLOWED": " https://prom.obs:9443/org ,",
                                    "GRAFT_PROMETHEUS_SECRET_NAMESPACES": "team-a, team-b"})
     assert s.prometheus_prefixes == ["http://prometheus.monitoring:9090", "https://prom.obs:9443/org"]
     assert s.prometheus_secret_namespaces == ["team-a", "team-b"]
-    assert OperatorSettings.from_env({}).prometheus_secret_namespaces == [], "no Secret is read by default"
+    assert OperatorSettings.from_env(tls).prometheus_secret_namespaces == [], "no Secret is read by default"
     with pytest.raises(ValueError, match="GRAFT_PROMETHEUS_ALLOWED"):
-        OperatorSettings.from_env({"GRAFT_PROMETHEUS_ALLOWED": "prom.obs:9443"})
+        OperatorSettings.from_env({**tls, "GRAFT_PROMETHEUS_ALLOWED": "prom.obs:9443"})
 
 
 class RecordingKube:
