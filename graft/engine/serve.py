@@ -1,9 +1,9 @@
 """`graft serve`: the engine, its OpenAI app and its admin app, in one process, living well in a pod.
 
 SIGTERM turns the engine not-ready and stops admission, lets in-flight requests finish within the
-grace period, then exits. Every admin setting (token, trusted keys, TLS files, GRAFT_PATCHES, the
-self-check's probe prompts) is checked before the model loads, so a mistake ends the process at
-once with a one-line reason.
+grace period, then exits. Every admin setting (token, trusted keys, TLS files, the spelling of
+GRAFT_PATCHES, the self-check's probe prompts) is checked before the model loads, so a mistake ends
+the process at once with a one-line reason; the patches themselves are applied once it has loaded.
 """
 from __future__ import annotations
 
