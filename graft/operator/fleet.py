@@ -15,9 +15,9 @@ the one with the same selector (spelled any way) or, failing that, the one selec
 same pods. Two fleets that share a pod would each take the other's patches for drift and revert
 them, so they are refused: the younger fleet acts on no pod while the overlap lasts (its condition
 says which fleet and pods), and a rollout whose pods another fleet also selects holds, Pending, with
-reason FleetOverlap until the selectors are made apart or its progress deadline ends it. (Overlap
-is judged on the pods' labels alone: a pod that is no engine can make a fleet stand down, never
-receive a call.)
+reason FleetOverlap until the selectors are made apart or its progress deadline ends it. Overlap
+is judged on members, the engines of a workload a selector picks: a pod that is no engine (a trap
+pod carrying two fleets' labels) belongs to neither and can make no fleet stand down.
 """
 from __future__ import annotations
 
@@ -60,8 +60,11 @@ class _Fleet:
 
 
 async def _fleets(kube: Kube, namespace: str) -> tuple[list[_Fleet], list[dict[str, Any]]]:
-    """Every valid fleet of the namespace with the pods it selects now, and those pods."""
-    pods = await podsmod.list_pods(kube, namespace, "")
+    """Every valid fleet of the namespace with the engines it selects now, and those engines.
+
+    Membership is judged as everywhere else (`Workloads.vet`): a pod that is no engine of a workload
+    belongs to no fleet, so a pod labelled into two fleets' selectors cannot make one stand down."""
+    pods = await podsmod.Workloads(kube, namespace, 0).engines(await podsmod.list_pods(kube, namespace, ""))
     out = []
     for fleet in await kube.list(fleet_path(namespace)):
         try:

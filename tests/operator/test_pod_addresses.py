@@ -1,13 +1,15 @@
 """Which pods the operator calls, and where: only engines of a workload (a controller that exists with
 the ownerReference's uid and whose pod template runs the pod's containers), on the admin port of
 that template. A pod that merely carries the selector's labels gets no label, no call, no token."""
+import asyncio
+
 import pytest
 
-from graft.operator.kube import pods_path
+from graft.operator.kube import fleet_path, pods_path
 from graft.operator.pods import NOT_AN_ENGINE, NoPodIP
 from graft.rollout.observation import PodError
 
-from operator_cluster import TOKEN, create, events_with, manifest, phase_is, set_pod_status, until
+from operator_cluster import TOKEN, create, events_of, events_with, manifest, phase_is, set_pod_status, until
 from operator_fakes import FakeEngine
 
 pytestmark = pytest.mark.timeout(120)
@@ -17,11 +19,12 @@ def test_a_pod_without_an_ip_is_asked_again():
     assert not PodError(NoPodIP("pod a has no IP yet").kind, "").permanent
 
 
-async def trap(cluster, namespace, name, engine, owner=None, image="graft:dev"):
-    """A pod with the rollout's labels, played by `engine`, with `owner` as its controller ownerReference."""
+async def trap(cluster, namespace, name, engine, owner=None, image="graft:dev", labels=None):
+    """A pod with the rollout's labels (or `labels`), played by `engine`, with `owner` as its
+    controller ownerReference."""
     await cluster.kube.create(pods_path(namespace), {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": "llm-engine"},
+        "metadata": {"name": name, "labels": labels or {"app": "llm-engine"},
                      **({"ownerReferences": [owner]} if owner else {})},
         "spec": {"containers": [{"name": "engine", "image": image,
                                  "ports": [{"name": "admin", "containerPort": engine.port}]}]}})
@@ -81,3 +84,29 @@ async def test_a_rollout_over_no_engine_waits_and_says_why(cluster, namespace, n
 async def _reason(cluster, namespace, reason):
     obj = await cluster.kube.get(f"/apis/graft.dev/v1alpha1/namespaces/{namespace}/patchrollouts/kv-align")
     return obj if (obj.get("status") or {}).get("reason") == reason else None
+
+
+async def test_a_pod_labelled_into_two_fleets_makes_no_overlap(cluster, namespace, fleet, operator, prometheus):
+    """Fleet overlap is judged on members: a trap pod carrying the labels of the fleet `batch` and of
+    a rollout over other engines belongs to neither, so the rollout is not held for an overlap."""
+    engines = await fleet(2)
+    decoy = await FakeEngine("127.0.0.12", TOKEN).start()
+    try:
+        await cluster.kube.create(fleet_path(namespace), {
+            "apiVersion": "graft.dev/v1alpha1", "kind": "PatchFleet", "metadata": {"name": "batch"},
+            "spec": {"selector": {"matchLabels": {"tier": "batch"}}, "patches": []}})
+        await trap(cluster, namespace, "trap-both", decoy, labels={"app": "llm-engine", "tier": "batch"})
+        await operator()
+        await create(cluster, namespace, manifest(prometheus))
+        obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Promoted", "Failed"), 60,
+                          what="the rollout to end")
+        assert obj["status"]["phase"] == "Promoted", obj["status"]
+        assert obj["status"]["fleet"] == "llm-engine"
+        assert [e.applied for e in engines] == [{"kv-align": "3.2.1"}] * 2
+        for name in ("kv-align", "batch"):
+            assert not [e for e in await events_of(cluster.kube, namespace, name) if e["reason"] == "FleetOverlap"]
+        batch = await cluster.kube.get(fleet_path(namespace, "batch"))
+        assert (batch.get("status") or {}).get("pods", 0) == 0
+        assert decoy.tokens == [], "the trap pod received an admin call"
+    finally:
+        await decoy.stop()
