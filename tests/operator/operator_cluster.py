@@ -159,7 +159,9 @@ class Elsewhere:
 
     def __repr__(self) -> str:
         s = self.status
-        return f"<phase {s.get('phase')!r}, reason {s.get('reason')!r}: {s.get('message')!r}>"
+        checks = [c.get("message") for c in (s.get("analysis") or {}).get("results") or [] if c.get("message")]
+        held = f"; checks: {checks!r}" if checks else ""
+        return f"<phase {s.get('phase')!r}, reason {s.get('reason')!r}: {s.get('message')!r}{held}>"
 
 
 async def phase_is(cluster, namespace, name, *phases):

@@ -6,17 +6,42 @@ Traffic is simulated: every scrape adds `rps * elapsed` requests to the engine's
 of it per further token). The page has the series the built-in checks ask for (requests by status,
 the request, TTFT and inter-token histograms, CPU seconds and quota, the revision info), each with
 its `revision` label; Prometheus adds `namespace` and `instance`. The operator's queries are real.
+
+Every fake engine serves from one event loop in a thread of its own, never the test's loop: that
+loop also runs the API server emulator, and while the operator keeps it busy (schema and CEL checks
+of every write) a scrape queued behind its requests overran Prometheus' timeout, so a new
+revision's series stayed empty and a rollout held for want of evidence.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import threading
 import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0)
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _engine_loop() -> asyncio.AbstractEventLoop:
+    """The fake engines' own event loop, started on first use and kept for the process."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="fake-engines", daemon=True).start()
+        return _loop
+
+
+async def _on_engine_loop(coro):
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, _engine_loop()))
 
 
 @dataclass
@@ -63,6 +88,12 @@ class FakeEngine:
         return f"{self.host}:{self.port}"
 
     async def start(self) -> "FakeEngine":
+        return await _on_engine_loop(self._start())
+
+    async def stop(self) -> None:
+        await _on_engine_loop(self._stop())
+
+    async def _start(self) -> "FakeEngine":
         app = web.Application()
         app.router.add_get("/admin/patches", self._list)
         app.router.add_post("/admin/patches", self._apply)
@@ -75,7 +106,7 @@ class FakeEngine:
         self.port = site._server.sockets[0].getsockname()[1]
         return self
 
-    async def stop(self) -> None:
+    async def _stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -56,16 +56,16 @@ async def test_a_pod_added_after_promotion_is_patched_labelled_and_let_in(cluste
     newcomer = await FakeEngine("127.0.0.9", engines[0].token).start()
     try:
         await create_pod(cluster.kube, namespace, "engine-new", newcomer)
-        await until(lambda: newcomer.applied == {"kv-align": "3.2.1"}, 15, what="the new pod patched")
-        pod = await until(lambda: _pod_with_condition(cluster, namespace, "engine-new"), 15,
+        await until(lambda: newcomer.applied == {"kv-align": "3.2.1"}, 60, what="the new pod patched")
+        pod = await until(lambda: _pod_with_condition(cluster, namespace, "engine-new"), 60,
                           what="graft.dev/patched on the new pod")
         assert pod["metadata"]["labels"]["graft.dev/track"] == "stable"
         assert pod["metadata"]["annotations"]["graft.dev/patches"] == "kv-align@3.2.1"
-        status = await until(lambda: _fleet_converged(cluster, namespace, 3), 15, what="fleet converged")
+        status = await until(lambda: _fleet_converged(cluster, namespace, 3), 60, what="fleet converged")
         assert status["revision"] == "kv-align@3.2.1" and status["pending"] == []
         # a restart without the patch (as if its annotation had been lost) is converged again
         newcomer.restart()
-        await until(lambda: newcomer.applied == {"kv-align": "3.2.1"}, 15, what="re-patched after a restart")
+        await until(lambda: newcomer.applied == {"kv-align": "3.2.1"}, 60, what="re-patched after a restart")
     finally:
         await newcomer.stop()
 
