@@ -217,7 +217,10 @@ def test_the_model_through_native_layers_is_as_close_to_float32_as_through_torch
 
     (n_err, n_agree), (t_err, t_agree) = stray(native), stray(torch_bf16)
     assert n_err.mean() <= 1.25 * t_err.mean(), (n_err.mean(), t_err.mean())
-    assert n_agree >= t_agree - 0.01 and n_agree > 0.95
+    # the error is the measure of accuracy; the argmax agreement moves by whole positions where two
+    # logits nearly tie, and two bf16 paths flip different ones (0.982 against 0.985 here, 0.975
+    # against 0.988 on another AVX-512 machine, at the same mean error): a margin of 12 of 600
+    assert n_agree >= t_agree - 0.02 and n_agree > 0.95, (n_agree, t_agree)
 
 
 def test_a_patched_qkv_with_its_own_layout_still_gets_rope(engines):
