@@ -24,8 +24,9 @@ from __future__ import annotations
 import copy
 import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -127,6 +128,37 @@ def served_versions(crd: dict[str, Any]) -> list[CrdVersion]:
             columns=tuple(v.get("additionalPrinterColumns") or ()),
         ))
     return result
+
+
+class Admission:
+    """What kube-apiserver does with a custom resource of these CRDs written with strict field
+    validation (kubectl's default): the object it would store, or every reason it refuses it.
+    `graft rollout lint` asks it, so that lint refuses what the API server would."""
+
+    def __init__(self, crds: Iterable[dict[str, Any]]) -> None:
+        self.versions = {(f"{v.group}/{v.version}", v.kind): v for crd in crds for v in served_versions(crd)}
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "Admission":
+        """The CRDs of every YAML file in `folder` (other documents there are left alone)."""
+        import yaml
+
+        docs = [d for path in sorted(Path(folder).glob("*.yaml"))
+                for d in yaml.safe_load_all(path.read_text(encoding="utf-8"))
+                if isinstance(d, dict) and d.get("kind") == "CustomResourceDefinition"]
+        return cls(docs)
+
+    def review(self, obj: dict[str, Any]) -> tuple[list[str], dict[str, Any]] | None:
+        """(the refusals as `field: detail`, the object as stored); None when no CRD here serves the
+        object's apiVersion and kind."""
+        version = self.versions.get((obj.get("apiVersion"), obj.get("kind")))
+        if version is None:
+            return None
+        body = copy.deepcopy(obj)
+        unknown = version.prune(body)
+        version.default(body)
+        errors = [f"{path}: unknown field (strict decoding error)" for path in unknown]
+        return errors + [str(e) for e in version.validate(body)], body
 
 
 def check(crd: dict[str, Any]) -> list[FieldError]:
@@ -398,7 +430,7 @@ def _field_errors(err: jsonschema.ValidationError) -> Iterator[FieldError]:
             yield _invalid(here, _show(value), f"{here} in body should be at least {limit} chars long")
         case "pattern":
             yield _invalid(here, _show(value), f"{here} in body should match '{limit}'")
-        case "maxItems":
+        case "maxItems" | "maxProperties":
             yield FieldError(here, "FieldValueTooMany", f"Too many: {len(value)}: must have at most {limit} items")
         case "minItems":
             yield _invalid(here, _show(value), f"{here} in body should have at least {limit} items")

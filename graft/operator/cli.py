@@ -1,15 +1,29 @@
-"""`graft rollout status [-w] | pause | resume | promote [--full] | abort | retry NAME | simulate -f FILE`, also
-`kubectl graft ...`.
+"""`graft rollout list [-n NS | -A] | status [-w] | pause | resume | promote [--full] | abort | retry | undo |
+history NAME | lint -f FILE | simulate -f FILE`, also `kubectl graft ...`.
 
-Each verb changes one field of the PatchRollout and the operator does the rest: `pause` sets
+Each steering verb changes one field of the PatchRollout and the operator does the rest: `pause` sets
 `spec.paused`, `resume` clears it and sets the annotation `graft.dev/resume: "true"` (which ends a
 pause the analysis decided, kept in status.pauseConditions), `promote` sets the annotation `graft.dev/promote` (`step` or `full`), `abort`
 sets `graft.dev/abort: "true"`. `status` shows the step, the weight, the pods and every metric
 against its threshold (graft.operator.render, which `graft demo` shows too), with a warning when
 pod-ratio routing cannot honour the first steps (CoarseSteps); `-w` keeps it on screen, updated,
-until the rollout finishes, and exits 0 when it promoted, 2 when it rolled back or failed, and 3 when
+until the rollout finishes, and exits 0 when it promoted, 3 when it rolled back or failed, and 4 when
 the rollout was deleted before it finished. It follows the rollout with a watch, so it sees the final
 phase even of a rollout deleted right after it (`ttlSecondsAfterFinished: 0`).
+
+`list` shows every PatchRollout and PatchFleet of a namespace (`-A`: of all), as a table on a
+terminal and as kubectl's plain columns otherwise (`-o json`: the rows as JSON). `undo` creates the
+rollout that takes a Promoted rollout's patch out again, step by step with the same selector, steps
+and analysis (`action: revert`; the undo of a revert applies the patch again); `history` shows the
+analysis runs kept in `status.analysisHistory` (`spec.analysis.measurementRetention` of them).
+`lint` (graft.operator.lint_cli) and `simulate` (graft.operator.simulate_cli) read files and need
+no cluster.
+
+Exit codes, the same for every verb (EXIT_CODES): 0 done; 1 refused or failed (the rollout is not
+found or not in a phase the verb applies to, the API server refused, lint found errors); 2 usage
+(argparse: an unknown verb or flag, a missing argument; a flag's value out of range). `status -w`
+alone adds 3 and 4 above, so that a script tells "the rollout did not promote" from "the command was
+wrong".
 """
 from __future__ import annotations
 
@@ -17,29 +31,45 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from graft.api import FINAL_PHASES, GROUP, ROLLOUTS as PLURAL, VERSION
-from graft.operator.render import render_status
+from graft.api import API_VERSION, FINAL_PHASES, FLEETS, GROUP, ROLLOUTS as PLURAL, VERSION
+from graft.operator.render import (HISTORY_COLUMNS, PHASE_STYLE, age, history_rows, print_table, render_status,
+                                   steps_of)
 
-NOT_PROMOTED = 2       # `status -w`: the rollout finished RolledBack or Failed
-DELETED = 3            # `status -w`: the rollout was deleted before it finished
+FAILED = 1             # refused or failed: not found, a phase the verb does not apply to, the API server's no
+USAGE = 2              # argparse's own exit code for a command line it cannot parse (and simulate's bad flags)
+NOT_PROMOTED = 3       # `status -w`: the rollout finished RolledBack or Failed
+DELETED = 4            # `status -w`: the rollout was deleted before it finished
+EXIT_CODES = ("exit codes: 0 done; 1 refused or failed (not found, a phase the verb does not apply to, "
+              "the API server's refusal, lint errors); 2 usage (an unknown verb or flag, a missing or bad "
+              "argument); `status -w` also 3 when the rollout finished RolledBack or Failed and 4 when it "
+              "was deleted before it finished")
+UNDO_OF = "graft.dev/undo-of"   # on a rollout `graft rollout undo` created: the rollout it undoes
 
 
 class CliError(Exception):
     pass
 
 
-def main_rollout(argv: Sequence[str] | None = None, console: Console | None = None) -> int:
-    """Entry point of `graft rollout ...` and of the kubectl plug-in `kubectl-graft`."""
+def main_rollout(argv: Sequence[str] | None = None, console: Console | None = None, admission=None) -> int:
+    """Entry point of `graft rollout ...` and of the kubectl plug-in `kubectl-graft`.
+
+    `admission` (`lint` only): a callable that takes the folder of the CRDs and answers a reviewer of
+    manifests as the API server admits them, or None where none can be made (graft.cli passes the
+    dev cluster's, which the operator's own modules may not import)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["simulate"]:        # needs no cluster
         from graft.operator.simulate_cli import main as simulate_main
         return simulate_main(argv[1:], console)
+    if argv[:1] == ["lint"]:            # nor does this
+        from graft.operator.lint_cli import main as lint_main
+        return lint_main(argv[1:], console, admission)
     args = _parser().parse_args(argv)
     console = console or Console()
     try:
@@ -47,29 +77,55 @@ def main_rollout(argv: Sequence[str] | None = None, console: Console | None = No
         return args.run(api, namespace, args, console)
     except CliError as e:
         console.print(f"[red]error:[/red] {e}")
-        return 1
+        return FAILED
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="graft rollout", description="Watch and steer PatchRollouts.")
-    common = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(prog="graft rollout", description="Watch and steer PatchRollouts.",
+                                     epilog=EXIT_CODES)
+    connection = argparse.ArgumentParser(add_help=False)
+    connection.add_argument("--kubeconfig",
+                            help="default: $KUBECONFIG or ~/.kube/config (in a pod: its service account)")
+    connection.add_argument("--context", help="kubeconfig context")
+    common = argparse.ArgumentParser(add_help=False, parents=[connection])
     common.add_argument("name", help="the PatchRollout")
     common.add_argument("-n", "--namespace", help="default: the kubeconfig context's namespace")
-    common.add_argument("--kubeconfig", help="default: $KUBECONFIG or ~/.kube/config (in a pod: its service account)")
-    common.add_argument("--context", help="kubeconfig context")
     verbs = parser.add_subparsers(dest="verb", required=True)
-    status = verbs.add_parser("status", parents=[common], help="show where the rollout stands")
+
+    def verb(name: str, help: str, **kwargs) -> argparse.ArgumentParser:
+        return verbs.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", epilog=EXIT_CODES,
+                                **kwargs)
+
+    listing = verb("list", "list the PatchRollouts and PatchFleets of a namespace (-A: of all)",
+                   parents=[connection])
+    where = listing.add_mutually_exclusive_group()
+    where.add_argument("-n", "--namespace", help="default: the kubeconfig context's namespace")
+    where.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace")
+    listing.add_argument("-o", "--output", choices=("table", "json"), default="table",
+                         help="table (plain columns when not a terminal) or json")
+    listing.set_defaults(run=_list)
+    status = verb("status", "show where the rollout stands", parents=[common])
     status.add_argument("-w", "--watch", action="store_true", help="keep showing it until it finishes")
     status.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
     status.set_defaults(run=_status)
-    verbs.add_parser("pause", parents=[common], help="hold at the current step").set_defaults(run=_pause)
-    verbs.add_parser("resume", parents=[common], help="carry on from a pause").set_defaults(run=_resume)
-    promote = verbs.add_parser("promote", parents=[common], help="skip the rest of the current step")
+    verb("pause", "hold at the current step", parents=[common]).set_defaults(run=_pause)
+    verb("resume", "carry on from a pause", parents=[common]).set_defaults(run=_resume)
+    promote = verb("promote", "skip the rest of the current step", parents=[common])
     promote.add_argument("--full", action="store_true", help="skip every remaining step and analysis")
     promote.set_defaults(run=_promote)
-    verbs.add_parser("abort", parents=[common], help="roll back now").set_defaults(run=_abort)
-    verbs.add_parser("retry", parents=[common], help="start a RolledBack or Failed rollout again").set_defaults(
-        run=_retry)
+    verb("abort", "roll back now", parents=[common]).set_defaults(run=_abort)
+    verb("retry", "start a RolledBack or Failed rollout again", parents=[common]).set_defaults(run=_retry)
+    undo = verb("undo", "create the rollout that undoes a Promoted one, step by step: the revert of its patch "
+                        "(of a revert rollout: the patch applied again)", parents=[common])
+    undo.add_argument("-o", "--output", choices=("text", "name"), default="text",
+                      help="name: print the new rollout's name alone")
+    undo.set_defaults(run=_undo)
+    history = verb("history", "show the rollout's past analysis runs (status.analysisHistory)", parents=[common])
+    history.add_argument("-o", "--output", choices=("table", "json"), default="table",
+                         help="table (plain columns when not a terminal) or json")
+    history.set_defaults(run=_history)
+    verbs.add_parser("lint", help="check PatchRollout, PatchFleet and analysis template manifests offline, as "
+                                  "the operator and the API server read them (graft rollout lint -h)", add_help=False)
     verbs.add_parser("simulate", help="run the rollout's decisions against a simulated fleet "
                                       "(graft rollout simulate -h)", add_help=False)
     return parser
@@ -266,6 +322,210 @@ def _items(response) -> list[dict[str, Any]]:
     """The items of a list call made with `_preload_content=False`, as the API server sent them."""
     return json.loads(response.data).get("items") or []
 
+
+
+# -- list -------------------------------------------------------------------------------------------
+
+LIST_COLUMNS = ("Name", "Kind", "Phase", "Step", "Weight", "Canary", "Stable", "Age")
+
+
+def _list(api, namespace, args, console) -> int:
+    """Every PatchRollout and PatchFleet of the namespace (or of all), rollouts first, each kind by name."""
+    where = None if args.all_namespaces else namespace
+    now = time.time()
+    rollouts = _list_of(api, where, PLURAL, "PatchRollouts")
+    try:
+        fleets = _list_of(api, where, FLEETS, "PatchFleets")
+        left_out = ""
+    except CliError as e:
+        fleets, left_out = [], str(e)
+    rows = sorted([_rollout_row(o, now) for o in rollouts] + [_fleet_row(o, now) for o in fleets],
+                  key=lambda r: (r["namespace"], r["kind"] != "PatchRollout", r["name"]))
+    if args.output == "json":
+        console.out(json.dumps(rows, indent=2), highlight=False)
+    elif not rows:
+        console.print(f"No PatchRollouts or PatchFleets {'in any namespace' if where is None else f'in {where}'}",
+                      highlight=False)
+    else:
+        columns = (("Namespace",) if where is None else ()) + LIST_COLUMNS
+        cells = [([r["namespace"]] if where is None else []) + [
+            r["name"], r["kind"], r["phase"], r["step"], r["weight"], r["canary"] or "-", r["stable"] or "-",
+            r["age"]] for r in rows]
+        phase_at = columns.index("Phase")
+        print_table(console, columns, cells, [{phase_at: PHASE_STYLE.get(r["phase"], "")} for r in rows])
+    if left_out:
+        console.print(f"[yellow]note:[/yellow] PatchFleets left out: {left_out}", highlight=False)
+    return 0
+
+
+def _list_of(api, namespace: str | None, plural: str, what: str) -> list[dict[str, Any]]:
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        if namespace is None:
+            got = api.list_cluster_custom_object(GROUP, VERSION, plural)
+        else:
+            got = api.list_namespaced_custom_object(GROUP, VERSION, namespace, plural)
+    except ApiException as e:
+        raise CliError(f"cannot list {what}{'' if namespace is None else f' in {namespace}'}: "
+                       f"{e.status} {e.reason}") from None
+    return got.get("items") or []
+
+
+def _age(obj: dict[str, Any], now: float) -> str:
+    from graft.rollout.status import from_time
+
+    try:
+        created = from_time(obj["metadata"].get("creationTimestamp"))
+    except ValueError:
+        created = None
+    return "-" if created is None else age(now - created)
+
+
+def _rollout_row(obj: dict[str, Any], now: float) -> dict[str, Any]:
+    meta, status = obj["metadata"], obj.get("status") or {}
+    steps = len(steps_of(obj))
+    index = status.get("stepIndex")
+    return {"namespace": meta.get("namespace", ""), "name": meta["name"], "kind": "PatchRollout",
+            "phase": status.get("phase") or "Pending",
+            "step": f"{min(int(index) + 1, steps) if isinstance(index, int) else 0}/{steps}",
+            "weight": f"{status.get('weight', 0)}%", "canary": status.get("canaryRevision") or "",
+            "stable": status.get("stableRevision") or "", "age": _age(obj, now),
+            "created": meta.get("creationTimestamp"), "action": (obj.get("spec") or {}).get("action", "apply"),
+            "patch": status.get("patch") or _ref((obj.get("spec") or {}).get("patch") or {})}
+
+
+def _fleet_row(obj: dict[str, Any], now: float) -> dict[str, Any]:
+    """A fleet has no steps and no weight: its phase is its Converged condition (Converged, or the
+    reason it is not: Converging, FleetOverlap), its revision what every pod runs (its stable side)."""
+    meta, status = obj["metadata"], obj.get("status") or {}
+    converged = next((c for c in status.get("conditions") or [] if c.get("type") == "Converged"), None)
+    phase = ("Pending" if converged is None else "Converged" if converged.get("status") == "True"
+             else converged.get("reason") or "Converging")
+    return {"namespace": meta.get("namespace", ""), "name": meta["name"], "kind": "PatchFleet", "phase": phase,
+            "step": "-", "weight": "-", "canary": "", "stable": status.get("revision") or "", "age": _age(obj, now),
+            "created": meta.get("creationTimestamp"), "pods": status.get("pods"),
+            "converged": status.get("converged"), "activeRollout": status.get("activeRollout")}
+
+
+def _ref(patch: dict[str, Any]) -> str:
+    return f"{patch.get('name')}@{patch.get('version')}" if patch.get("name") else ""
+
+
+# -- undo -------------------------------------------------------------------------------------------
+
+def _undo(api, namespace, args, console) -> int:
+    """Create the rollout that undoes a Promoted one: its spec with the other action (apply <-> revert),
+    not paused, named NAME-undo (NAME-undo-2, -3, ... when taken), annotated with the rollout it
+    undoes. Refused: a rollout that is not Promoted (abort stops one in flight; one that rolled back
+    left nothing to undo), an upgrade (a revert would leave the pods with neither version), a fleet
+    that no longer runs what the rollout left (a later rollout changed it), and a rollout that an
+    earlier undo is still undoing."""
+    from kubernetes.client.exceptions import ApiException
+
+    obj = _get(api, namespace, args.name)
+    where = f"PatchRollout {namespace}/{args.name}"
+    spec, status = obj.get("spec") or {}, obj.get("status") or {}
+    phase = status.get("phase") or "Pending"
+    if phase != "Promoted":
+        why = ("nothing of it stays on the pods" if phase in FINAL_PHASES
+               else f"graft rollout abort {args.name} rolls it back")
+        raise CliError(f"{where} is {phase}: only a Promoted rollout can be undone ({why})")
+    action = spec.get("action", "apply")
+    ref = _ref(spec.get("patch") or {})
+    if action == "apply" and status.get("stablePatch"):
+        raise CliError(f"{where} replaced {status['stablePatch']} with {ref}: a revert would leave the pods with "
+                       f"neither; roll {status['stablePatch']} out again with a PatchRollout of its own")
+    _fleet_still_runs(api, namespace, status.get("fleet"), ref, action, where, console)
+    rollouts = _list_of(api, namespace, PLURAL, "PatchRollouts")
+    busy = next((o for o in rollouts if (o["metadata"].get("annotations") or {}).get(UNDO_OF) == args.name
+                 and _phase(o) not in FINAL_PHASES), None)
+    if busy is not None:
+        raise CliError(f"{where} is being undone already by PatchRollout {namespace}/{busy['metadata']['name']} "
+                       f"({_phase(busy) or 'Pending'})")
+    undo = "apply" if action == "revert" else "revert"
+    body = {"apiVersion": API_VERSION, "kind": "PatchRollout",
+            "metadata": {"annotations": {UNDO_OF: args.name}},
+            "spec": {**{k: v for k, v in spec.items() if k not in ("paused", "action")}, "action": undo}}
+    taken = {o["metadata"]["name"] for o in rollouts}
+    for name in _undo_names(args.name):
+        if name in taken:
+            continue
+        body["metadata"]["name"] = name
+        try:
+            api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+        except ApiException as e:
+            if e.status == 409:        # created meanwhile: the next name
+                continue
+            raise CliError(f"cannot create PatchRollout {namespace}/{name}: {e.status} {e.reason}"
+                           + _api_message(e)) from None
+        if args.output == "name":
+            console.out(name, highlight=False)
+        else:
+            console.print(f"PatchRollout {namespace}/{name} created: it {'reverts' if undo == 'revert' else 'applies'}"
+                          f" {ref} step by step, undoing {args.name}", highlight=False)
+        return 0
+    raise CliError(f"no free name for the undo of {where}")
+
+
+def _undo_names(name: str):
+    yield f"{name}-undo"
+    for i in range(2, 1000):
+        yield f"{name}-undo-{i}"
+
+
+def _fleet_still_runs(api, namespace: str, fleet: str | None, ref: str, action: str, where: str, console) -> None:
+    """Refuse when the rollout's PatchFleet runs something else now than what the rollout left: undoing
+    it would take out (or put back) what a later rollout decided. A fleet that cannot be read is not
+    checked (said so)."""
+    from kubernetes.client.exceptions import ApiException
+
+    if not fleet:
+        return
+    try:
+        obj = api.get_namespaced_custom_object(GROUP, VERSION, namespace, FLEETS, fleet)
+    except ApiException as e:
+        console.print(f"[yellow]note:[/yellow] PatchFleet {namespace}/{fleet} not checked ({e.status} {e.reason})",
+                      highlight=False)
+        return
+    running = {p.get("name"): _ref(p) for p in (obj.get("spec") or {}).get("patches") or []}
+    name = ref.partition("@")[0]
+    runs = f"PatchFleet {namespace}/{fleet} runs {running[name]}" if name in running else \
+        f"PatchFleet {namespace}/{fleet} runs no version of {name}"
+    if action == "apply" and running.get(name) != ref:
+        raise CliError(f"{runs} now, not the {ref} that {where} applied: a later rollout changed it, undo that one")
+    if action == "revert" and name in running:
+        raise CliError(f"{runs} again since {where} reverted it: nothing to apply again")
+
+
+def _api_message(e) -> str:
+    """The API server's own words for a refusal (a Status body's message), if any."""
+    try:
+        message = json.loads(e.body).get("message")
+    except (TypeError, ValueError, AttributeError):
+        return ""
+    return f": {message}" if message else ""
+
+
+# -- history ----------------------------------------------------------------------------------------
+
+def _history(api, namespace, args, console) -> int:
+    """The analysis runs kept in status.analysisHistory, oldest first: a row per check."""
+    obj = _get(api, namespace, args.name)
+    runs = (obj.get("status") or {}).get("analysisHistory") or []
+    if args.output == "json":
+        console.out(json.dumps(runs, indent=2), highlight=False)
+        return 0
+    retention = ((obj.get("spec") or {}).get("analysis") or {}).get("measurementRetention", 10)
+    where = f"PatchRollout {namespace}/{args.name}"
+    if not runs:
+        console.print(f"{where}: no analysis run kept (measurementRetention {retention})", highlight=False)
+        return 0
+    console.print(f"{where}: the last {len(runs)} analysis run{'s' if len(runs) != 1 else ''}, oldest first "
+                  f"(measurementRetention {retention})", highlight=False)
+    rows, styles, starts = history_rows(obj)
+    print_table(console, HISTORY_COLUMNS, rows, styles, starts)
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main_rollout())

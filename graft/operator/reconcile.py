@@ -107,6 +107,25 @@ def _invalid(stored: RolloutStatus, error: SpecError, body: dict[str, Any], now:
     return Result(status, events)
 
 
+def annotation_manager(meta: dict[str, Any], key: str) -> str | None:
+    """Who last set the annotation `key`, as far as the object tells: the field manager that owns it
+    in `metadata.managedFields` (`kubectl-annotate`, `kubectl-edit`, a client's own name) and when.
+    The authenticated user is in the API server's audit log, not in the object; None when no entry
+    owns the annotation (an API server that keeps no managedFields)."""
+    owners = []
+    for entry in meta.get("managedFields") or []:
+        if not isinstance(entry, dict) or not isinstance(entry.get("manager"), str):
+            continue
+        fields = entry.get("fieldsV1") or {}
+        annotations = (fields.get("f:metadata") or {}).get("f:annotations") if isinstance(fields, dict) else None
+        if isinstance(annotations, dict) and f"f:{key}" in annotations:
+            owners.append((str(entry.get("time") or ""), entry["manager"]))
+    if not owners:
+        return None
+    when, manager = max(owners)
+    return f"{manager} at {when}" if when else manager
+
+
 def _without_templates(body: dict[str, Any]) -> RolloutSpec | None:
     """The spec read without its analysis templates (their checks dropped), or None when it is
     invalid even so: enough to abort a rollout whose template was deleted while it ran."""
@@ -263,10 +282,11 @@ class Reconciliation:
         annotations = self.body["metadata"].get("annotations") or {}
         controls = Controls(promote=None if self.promote_done else annotations.get(PROMOTE_ANNOTATION) or None,
                             abort=self.abort or annotations.get(ABORT_ANNOTATION, "").lower() == "true",
-                            resume=not self.resume_done and annotations.get(RESUME_ANNOTATION, "").lower() == "true")
+                            resume=not self.resume_done and annotations.get(RESUME_ANNOTATION, "").lower() == "true",
+                            promoted_by=annotation_manager(self.body["metadata"], PROMOTE_ANNOTATION))
         return Observation(observed, measurements, route_weight, controls, problem,
                            from_time(self.body["metadata"].get("creationTimestamp")) or self.now,
-                           int(self.body["metadata"].get("generation") or 0))
+                           int(self.body["metadata"].get("generation") or 0), self.name)
 
     async def revision(self, status: RolloutStatus, pod: PodObservation, admin: AdminClient | None) -> None:
         pod.revision = self.answered.get(pod.name) or known_revision(status, pod)

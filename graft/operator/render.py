@@ -5,6 +5,9 @@ the two never disagree on what a status says. It takes what both can read from t
 rollout, the Events posted on it, and the pods its selector matches (optional: without them the
 count of Ready pods is not shown).
 
+A rollout at a manual step (`untilApproved: true`, or `pause: {}`) whose analysis passed shows since
+when it waits and the command that approves it; the steps line marks every manual step.
+
 A rollout that carries the Warning `CoarseSteps` (pod-ratio routing over fewer pods than its first
 step can split: one pod is already more than that step asks for) is shown with that warning and
 the traffic the canary really gets next to the weight the step asks for.
@@ -59,6 +62,16 @@ def steps_of(obj: dict[str, Any]) -> list[dict[str, Any]]:
     return (obj.get("spec") or {}).get("steps") or DEFAULT_STEPS
 
 
+def manual_step(step: dict[str, Any]) -> bool:
+    """A step that waits for a person's approval, in either spelling (`untilApproved: true`, `pause: {}`)."""
+    return step.get("untilApproved") is True or step.get("pause") == {}
+
+
+def step_weights(steps: Sequence[dict[str, Any]]) -> str:
+    """The steps' weights in order, a manual step marked: `1% → 20% (approval) → 100%`."""
+    return " → ".join(f"{s.get('weight')}%" + (" (approval)" if manual_step(s) else "") for s in steps)
+
+
 def coarse_steps(obj: dict[str, Any], events: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The latest CoarseSteps Event posted on this rollout (not on an earlier one of the same name)."""
     meta = obj["metadata"]
@@ -101,8 +114,7 @@ def _summary(obj: dict[str, Any], ready: int | None, events: Sequence[dict[str, 
     summary.add_row("Patch", f"{patch.get('name')}@{patch.get('version')}")
     summary.add_row("Phase", Text(phase + (" (paused)" if spec.get("paused") and phase != "Paused" else ""),
                                   style=PHASE_STYLE.get(phase, "")))
-    summary.add_row("Step", f"{status.get('stepIndex', 0) + 1}/{len(steps)}  (weights "
-                            + " → ".join(f"{s['weight']}%" for s in steps) + ")")
+    summary.add_row("Step", f"{status.get('stepIndex', 0) + 1}/{len(steps)}  (weights {step_weights(steps)})")
     summary.add_row("Weight", f"{status.get('weight', 0)}%")
     if ready is not None:
         summary.add_row("Ready pods", str(ready))
@@ -114,6 +126,11 @@ def _summary(obj: dict[str, Any], ready: int | None, events: Sequence[dict[str, 
         summary.add_row(Text("Paused by", style="bold yellow"),
                         f"{c.get('reason')} since {c.get('startTime')}: graft rollout resume {meta['name']} "
                         "(or the annotation graft.dev/resume=true) ends it")
+    if status.get("awaitingApprovalSince") and phase not in FINAL:
+        summary.add_row(Text("Waiting for", style="bold yellow"),
+                        f"approval since {status['awaitingApprovalSince']}: graft rollout promote {meta['name']} "
+                        f"(or the annotation graft.dev/promote=step) approves step {status.get('stepIndex', 0) + 1}; "
+                        f"graft rollout abort {meta['name']} rolls back")
     coarse = coarse_steps(obj, events)
     if coarse is not None:
         summary.add_row(Text(f"Warning {COARSE_STEPS}", style="bold yellow"),
@@ -134,7 +151,7 @@ def _pods(status: dict[str, Any]) -> Table:
     return pods
 
 
-def _value(result: dict[str, Any]) -> str:
+def value_text(result: dict[str, Any]) -> str:
     """A check's value as its table cell: output-divergence as the divergent share with its counts
     (`3 of 3` says more than `1`), any other check as its number."""
     value, numbers = result.get("value"), result.get("numbers") or {}
@@ -175,7 +192,7 @@ class Analysis:
             verdict = r.get("verdict", "")
             role = r.get("role", "breaker")
             dry = ((" " if inline else "\n") + "(dry run)") if r.get("dryRun") else ""
-            cells: list[Any] = [r["name"] + dry, role, _value(r), r.get("threshold", ""), r.get("window", ""),
+            cells: list[Any] = [r["name"] + dry, role, value_text(r), r.get("threshold", ""), r.get("window", ""),
                                 Text(verdict, style=VERDICT_STYLE.get(verdict, "")),
                                 str(r.get("breaches", 0)) if role == "breaker" else ""]
             if details == "inline":
@@ -213,3 +230,100 @@ class Analysis:
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         return Measurement.get(console, options, self.table("inline"))
+
+
+# -- tables of `graft rollout list` and `graft rollout history` ---------------------------------------
+
+def print_table(console: Console, columns: Sequence[str], rows: Sequence[Sequence[str]],
+                styles: Sequence[dict[int, str]] | None = None, sections: Sequence[int] = ()) -> None:
+    """Rows under their column names: on a terminal a rich table (`styles`: per row, a style per
+    column index; `sections`: the rows a rule goes above); otherwise plain text as kubectl prints
+    it (upper-case names, columns three spaces apart, no colour, no wrapping), for `grep`, `awk`
+    and `column` alike."""
+    if console.is_terminal:
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for name in columns:
+            table.add_column(name, overflow="fold")
+        for i, row in enumerate(rows):
+            if i in sections and i:
+                table.add_section()
+            style = styles[i] if styles else {}
+            table.add_row(*(Text(cell, style=style.get(j, "")) for j, cell in enumerate(row)))
+        console.print(table)
+        return
+    header = [c.upper() for c in columns]
+    widths = [max(len(str(r[j])) for r in [header, *rows]) for j in range(len(columns))]
+    for row in [header, *rows]:
+        console.out("   ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip(), highlight=False)
+
+
+def age(seconds: float) -> str:
+    """An age as `kubectl get` shows one: 45s, 5m30s, 12m, 3h20m, 20h, 3d4h, 12d, 2y30d."""
+    s = int(max(0.0, seconds))
+    m, h, d = s // 60, s // 3600, s // 86400
+    if s < 120:
+        return f"{s}s"
+    if m < 10:
+        return f"{m}m{s % 60}s" if s % 60 else f"{m}m"
+    if h < 3:
+        return f"{m}m"
+    if h < 8:
+        return f"{h}h{m % 60}m" if m % 60 else f"{h}h"
+    if h < 48:
+        return f"{h}h"
+    if d < 8:
+        return f"{d}d{h % 24}h" if h % 24 else f"{d}d"
+    if d < 730:
+        return f"{d}d"
+    return f"{d // 365}y{d % 365}d" if d % 365 else f"{d // 365}y"
+
+
+def counts_text(numbers: dict[str, float]) -> str:
+    """The counts a check was judged on: errors of requests, divergent of compared requests,
+    each side's errors, or each side's latency samples."""
+    n = {k: f"{v:.0f}" for k, v in numbers.items()}
+    if "compared" in n and "divergent" in n:
+        return f"{n['divergent']}/{n['compared']} divergent"
+    if "requests" in n and "errors" in n:
+        return f"{n['errors']}/{n['requests']} bad"
+    if "canary_requests" in n and "stable_requests" in n:
+        return (f"canary {n.get('canary_errors', '0')}/{n['canary_requests']}, "
+                f"stable {n.get('stable_errors', '0')}/{n['stable_requests']} errors")
+    if "canary_samples" in n:
+        return f"{n['canary_samples']} canary" + (f", {n['stable_samples']} stable" if "stable_samples" in n else "") \
+            + " samples"
+    return ""
+
+
+def bounds_text(numbers: dict[str, float]) -> str:
+    """The confidence bounds a check was judged on (rates and differences), as [lower, upper]."""
+    if "lower" not in numbers and "upper" not in numbers:
+        return ""
+    low, high = numbers.get("lower"), numbers.get("upper")
+    return f"[{'-' if low is None else f'{low:.3g}'}, {'-' if high is None else f'{high:.3g}'}]"
+
+
+HISTORY_COLUMNS = ("Time", "Step", "Run", "Check", "Role", "Value", "Threshold", "Counts", "Bounds", "Verdict")
+
+
+def history_rows(obj: dict[str, Any]) -> tuple[list[list[str]], list[dict[int, str]], list[int]]:
+    """`status.analysisHistory` as rows of HISTORY_COLUMNS, a row per check, the run's time, step and
+    verdict on its first row; with each row's styles and the rows that open a run."""
+    steps = len(steps_of(obj))
+    rows: list[list[str]] = []
+    styles: list[dict[int, str]] = []
+    starts: list[int] = []
+    for run in (obj.get("status") or {}).get("analysisHistory") or []:
+        starts.append(len(rows))
+        verdict = run.get("verdict") or ""
+        head = [run.get("time") or "-", f"{run.get('step', 0)}/{steps}", verdict]
+        results = run.get("results") or [{}]
+        for i, r in enumerate(results):
+            numbers = r.get("numbers") or {}
+            name = r.get("name", "") + (" (dry run)" if r.get("dryRun") else "")
+            rows.append((head if i == 0 else ["", "", ""])
+                        + [name, r.get("role", "breaker") if r else "", value_text(r) if r else "",
+                           r.get("threshold", ""), counts_text(numbers), bounds_text(numbers), r.get("verdict", "")])
+            styles.append({2: VERDICT_STYLE.get(verdict, "") if i == 0 else "",
+                           9: VERDICT_STYLE.get(r.get("verdict", ""), "")})
+    return rows, styles, starts

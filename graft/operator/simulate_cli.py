@@ -4,7 +4,9 @@ Runs the real decision code (graft.rollout.simulate) against a simulated fleet f
 with a neutral patch, once per regression given with `--bad` (by default: +2% errors, TPOT x1.5, and
 60% of the canary's shadow comparisons divergent),
 and prints the chance of promoting the good patch, of catching each bad one, the step it is caught
-at and the time to a decision; `--plot` draws them.
+at and the time to a decision; `--plot` draws them. A manual step (`untilApproved: true`, `pause: {}`)
+is approved by a simulated person `--approve-after` into its wait (0s by default: at the next tick);
+`--approve-after never` ends each run at the first wait instead, counted as awaiting approval.
 """
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ DEFAULT_BAD = ("errors=0.02", "tpot=1.5", "divergence=0.6")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="graft rollout simulate",
+    from graft.operator.cli import EXIT_CODES
+
+    p = argparse.ArgumentParser(prog="graft rollout simulate", epilog=EXIT_CODES,
                                 description="Run a PatchRollout's decisions against a simulated fleet, many times.")
     p.add_argument("-f", "--filename", required=True, help="a PatchRollout manifest (YAML)")
     p.add_argument("--template", action="append", default=[], metavar="FILE",
@@ -59,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=20, help="runs per scenario")
     p.add_argument("--tick", type=float, default=5.0, help="seconds between operator ticks")
     p.add_argument("--horizon", default="6h", help="give up on a run after this long")
+    p.add_argument("--approve-after", default="0s", metavar="DURATION|never",
+                   help="how long a simulated person takes to approve a manual step (untilApproved, pause: {}) "
+                        "once it waits; never: a run ends at the first wait (default: 0s, the next tick)")
     p.add_argument("--plot", help="write a PNG of the outcomes here")
     p.add_argument("--json", help="write every run's outcome here")
     return p
@@ -108,7 +115,7 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
     manifest = _load(args.filename)
     if manifest.get("kind") != "PatchRollout":
         console.print(f"[red]error:[/red] {args.filename} is a {manifest.get('kind')!r}, not a PatchRollout")
-        return 2
+        return 1
     templates = {}
     for path in args.template:
         t = _load(path)
@@ -121,13 +128,14 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
                 raise ValueError(f"{flag} is a share between 0 and 1, not {value:g}")
         if args.shadow_floor < 0:
             raise ValueError(f"--shadow-floor is comparisons a minute, not {args.shadow_floor:g}")
+        approve_after = None if args.approve_after == "never" else parse_duration(args.approve_after)
         outage = None
         if args.outage:
             start, _, end = args.outage.partition(":")
             outage = (parse_duration(start), parse_duration(end) if end else math.inf)
     except SpecError as e:
         console.print(f"[red]error:[/red] invalid spec: {e}")
-        return 2
+        return 1
     except (argparse.ArgumentTypeError, ValueError) as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
@@ -135,6 +143,15 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
     if dropped:
         console.print(f"[yellow]note:[/yellow] custom PromQL checks cannot be simulated and are left out: "
                       f"{', '.join(dropped)}")
+    manual = [str(i + 1) for i, step in enumerate(spec.steps) if step.until_approved]
+    if manual:
+        if approve_after is None:
+            how = "nobody approves here: a run ends at the first wait (awaiting approval)"
+        else:
+            how = f"a simulated person approves {format_duration(approve_after)} into the wait" \
+                  + (" (at the next tick)" if approve_after == 0 else "")
+        console.print(f"[yellow]note:[/yellow] manual step{'s' if len(manual) > 1 else ''} {', '.join(manual)} "
+                      f"wait{'' if len(manual) > 1 else 's'} for approval (graft rollout promote); {how}")
     traffic = Traffic(rps=args.rps, error_rate=args.error_rate, ttft_median=args.ttft, ttft_sigma=2 * args.latency_sigma,
                       tpot_median=args.tpot, tpot_sigma=args.latency_sigma, tokens=args.tokens,
                       spike_per_hour=args.spikes_per_hour, spike_factor=args.spike_factor,
@@ -147,7 +164,7 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
             task = progress.add_task(name, total=args.seeds)
             sc = Scenario(pods=args.pods, gateway=args.gateway, traffic=traffic, regression=reg,
                           restarts_per_hour=args.restarts_per_hour, outage=outage, tick=args.tick,
-                          horizon=parse_duration(args.horizon))
+                          horizon=parse_duration(args.horizon), approve_after=approve_after)
             results[name] = simulate(spec, sc, args.seeds, progress=lambda _: progress.advance(task))
     _report(console, args, results)
     if args.plot:
@@ -166,23 +183,27 @@ def _report(console: Console, args, results: dict[str, list[Outcome]]) -> None:
     table = Table(title=f"{args.seeds} runs per scenario: {args.pods} pods, {args.rps:g} req/s, "
                         f"background errors {args.error_rate * 100:g}%, "
                         f"{'Gateway API' if args.gateway else 'pod ratio'}")
-    for col in ("scenario", "promoted", "rolled back", "paused", "undecided", "median time to decision",
-                "rolled back at step"):
+    awaiting = any(summarise(outs).awaiting for outs in results.values())
+    for col in ("scenario", "promoted", "rolled back", "paused") + (("awaiting approval",) if awaiting else ()) \
+            + ("undecided", "median time to decision", "rolled back at step"):
         table.add_column(col, justify="left" if col == "scenario" else "right")
     for name, outs in results.items():
         s = summarise(outs)
         steps = ", ".join(f"{k}: {v}" for k, v in s.steps.items()) or "-"
         median = format_duration(round(s.median_seconds)) if not math.isnan(s.median_seconds) else "-"
-        table.add_row(name, str(s.promoted), str(s.rolled_back), str(s.paused), str(s.undecided), median, steps)
+        table.add_row(name, str(s.promoted), str(s.rolled_back), str(s.paused),
+                      *((str(s.awaiting),) if awaiting else ()), str(s.undecided), median, steps)
     console.print(table)
     names = list(results)
     good = summarise(results[names[0]])
     console.print(f"chance of promoting a good patch: [bold]{good.promote_rate:.0%}[/bold] "
-                  f"({good.promoted}/{good.runs})")
+                  f"({good.promoted}/{good.runs}" + (f"; {good.awaiting} awaiting approval" if good.awaiting else "")
+                  + ")")
     for name in names[1:]:
         s = summarise(results[name])
         console.print(f"chance of catching a bad one ({name}): [bold]{s.catch_rate:.0%}[/bold] "
-                      f"({s.runs - s.promoted}/{s.runs}; {s.rolled_back} rolled back, {s.paused} paused)")
+                      f"({s.runs - s.promoted - s.awaiting}/{s.runs}; {s.rolled_back} rolled back, {s.paused} paused"
+                      + (f"; {s.awaiting} reached a person, awaiting approval" if s.awaiting else "") + ")")
 
 
 def plot(results: dict[str, list[Outcome]], path: Path, title: str = "") -> None:

@@ -11,9 +11,11 @@ Promoted, RolledBack and Failed are final: the machine does nothing more for the
 
 Per step: enough pods become canaries (ceil(N * weight / 100), at least one), each canary's engine
 gets the patch, the router gets the weight; then the step holds for its pause and until an analysis
-run after the step was in place passes. A check reaching its breach limit, a user abort, a patch
-the engine refuses or a step stuck past `progressDeadline` rolls back: route first, then every
-patched engine reverted.
+run after the step was in place passes. A manual step (`untilApproved`) then holds, Progressing with
+reason AwaitingApproval, until a person approves it (the annotation graft.dev/promote), the analysis
+running on meanwhile and the progress deadline waiting. A check reaching its breach limit, a user
+abort, a patch the engine refuses or a step stuck past `progressDeadline` rolls back: route first,
+then every patched engine reverted.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ INCONCLUSIVE_LIMIT, ERROR_LIMIT, OUTAGE_LIMIT = "InconclusiveLimit", "AnalysisEr
 UNAVAILABLE = "AnalysisUnavailable"   # Prometheus cannot be reached: the step holds and goes on by itself
 RESUME_HINT = "resume (graft rollout resume, or the annotation graft.dev/resume=true) or abort"
 QUEUED = "Queued"      # another rollout is active on the same fleet
+AWAITING_APPROVAL = "AwaitingApproval"   # a manual step passed its analysis and waits for a person
+APPROVED = "Approved"                    # a person approved it (graft.dev/promote)
 
 
 def canary_target(pods: int, weight: int) -> int:
@@ -108,6 +112,7 @@ class _Machine:
         self.actions: list = []
         self.events: list[Event] = []
         self.restarted: set[str] = set()
+        self.promote_used = False        # the graft.dev/promote control was acted on in this decision
 
     # plumbing
     def event(self, reason: str, message: str, type: str = "Normal") -> None:
@@ -310,12 +315,15 @@ class _Machine:
     def start_step(self, index: int) -> None:
         status, step = self.status, self.spec.step(index)
         status.step_index, status.step_started_at, status.step_ready_at = index, self.now, None
+        status.awaiting_approval_since = None
         status.analysis.inconclusive_runs = status.analysis.error_runs = 0
         status.analysis.outage_seconds = 0.0
         pods = len(self.ready)
         self.event("StepStarted", f"{self.step_label}: weight {step.weight}%, "
                                   f"{canary_target(pods, step.weight)} of {pods} pods run {self.ref}"
-                                  + (f", then a pause of {step.pause_text}" if step.pause_text else ""))
+                                  + (f", then a pause of {step.pause_text}" if step.pause_text else "")
+                                  + (", then it waits for approval (graft rollout promote)"
+                                     if step.until_approved else ""))
 
     def progressing(self) -> None:
         status, obs, spec = self.status, self.obs, self.spec
@@ -336,13 +344,15 @@ class _Machine:
             return
         if self.pod_failure():
             return
+        if status.awaiting_approval_since is not None and not spec.step(status.step_index).until_approved:
+            status.awaiting_approval_since = None     # the step no longer asks for approval (spec edited)
         self.pause_or_resume()
         if obs.controls.promote is not None:
             self.promote_request(obs.controls.promote)
         ready = self.step_in_place()
         if obs.measurements is not None and self.analyse():
             return
-        if status.phase == PROGRESSING and ready and self.step_done():
+        if status.phase == PROGRESSING and ready and self.step_done() and self.approved():
             if status.step_index + 1 >= len(spec.steps) or status.full_promotion:
                 self.promote()
                 return
@@ -371,6 +381,7 @@ class _Machine:
             status.phase, status.step_started_at = PROGRESSING, self.now
             if status.step_ready_at is not None:
                 status.step_ready_at = self.now
+            status.awaiting_approval_since = None     # the step's analysis passes again, then it waits again
             a = status.analysis
             a.inconclusive_runs = a.error_runs = 0
             a.outage_since, a.outage_seconds = None, 0.0
@@ -388,11 +399,25 @@ class _Machine:
 
     def promote_request(self, how: str) -> None:
         status = self.status
+        if how == "step" and self.spec.step(status.step_index).until_approved \
+                and status.awaiting_approval_since is None and not status.full_promotion:
+            # a manual step approved before its analysis passed: the approval never skips the analysis,
+            # and the annotation stays until it approves the step (`approved`, once the analysis passes)
+            return
         self.actions.append(ClearPromote())
+        self.promote_used = True
         if how not in ("step", "full"):
             self.event("InvalidControl", f"graft.dev/promote must be 'step' or 'full', not {how!r}", WARNING)
             return
         last = len(self.spec.steps) - 1
+        if status.awaiting_approval_since is not None:
+            self.approve()
+            if how == "step":
+                if status.step_index >= last:
+                    status.full_promotion = True      # nothing left after the last step: promote
+                else:
+                    self.start_step(status.step_index + 1)
+                return
         if how == "full" or status.step_index >= last:
             status.full_promotion = True
             self.event("PromotedByUser", f"full promotion requested at {self.step_label}: "
@@ -454,6 +479,43 @@ class _Machine:
                   and analysis.verdict == judge.SUCCESSFUL)
         return paused_enough and passed
 
+    def approved(self) -> bool:
+        """The step's pause and analysis are done: True when it may go on. A manual step goes on once
+        approved; until then it waits (one AwaitingApproval Event when the wait starts). A promote that
+        came before the analysis passed, kept since, approves it now."""
+        status = self.status
+        if not self.spec.step(status.step_index).until_approved or status.full_promotion:
+            return True
+        if self.obs.controls.promote == "step" and not self.promote_used:
+            self.actions.append(ClearPromote())
+            self.promote_used = True
+            self.approve()
+            return True
+        if status.awaiting_approval_since is None:
+            status.awaiting_approval_since = self.now
+            self.event(AWAITING_APPROVAL, self.approval_message())
+        return False
+
+    def approve(self) -> None:
+        """Say who approved the step (as far as the object tells) and after how long a wait."""
+        status, who = self.status, self.obs.controls.promoted_by
+        by = "graft.dev/promote" + (f", set by {who}" if who else "")
+        since = status.awaiting_approval_since
+        self.event(APPROVED, f"{self.step_label} approved ({by}) "
+                             + (f"after waiting {about(self.now - since)}" if since is not None else
+                                "before its analysis passed; it goes on now that the analysis passed"))
+        status.awaiting_approval_since = None
+
+    def approval_message(self) -> str:
+        status = self.status
+        step = self.spec.step(status.step_index)
+        message = f"{self.step_label} at {step.weight}%: waiting for approval: " \
+                  f"{f'graft rollout promote {self.obs.name}' if self.obs.name else 'graft rollout promote'}"
+        verdict = status.analysis.verdict
+        if verdict is not None and verdict != judge.SUCCESSFUL:
+            message += f" (the analysis passed; its latest run is {verdict})"
+        return message
+
     def final_evidence(self) -> bool:
         """True at the last step that still has stable pods: gates must have their evidence here."""
         return self.status.step_index + 2 >= len(self.spec.steps)
@@ -467,6 +529,7 @@ class _Machine:
         verdict, results = judge.run(analysis_spec, self.obs.measurements, status.analysis.results,
                                      stable_pods=stable_pods, final_evidence=self.final_evidence())
         status.analysis.last_run, status.analysis.verdict, status.analysis.results = self.now, verdict, results
+        status.record_analysis(analysis_spec.measurement_retention)
         for r in results:
             if r.verdict == judge.FAILED and (r.role == "breaker" or r.conclusive):
                 self.event("AnalysisFailed", f"{r.role} {r.message}", WARNING)
@@ -486,8 +549,8 @@ class _Machine:
             self.event("AnalysisPassed", f"{self.step_label}: {summary}")
         elif verdict in (judge.INCONCLUSIVE, judge.ERROR) and before != verdict:
             self.event("AnalysisInconclusive", f"{self.step_label}: holding ({verdict}): {held}", WARNING)
-        if status.phase != PROGRESSING:
-            return False
+        if status.phase != PROGRESSING or status.awaiting_approval_since is not None:
+            return False      # a person is asked already: no pause for one on top of it
         since = status.analysis.outage_since
         if outage and analysis_spec.outage_limit and self.now - since >= analysis_spec.outage_limit:
             self.pause_for_analysis(OUTAGE_LIMIT, f"Prometheus could not be reached for "
@@ -545,6 +608,8 @@ class _Machine:
         status = self.status
         if status.phase != PROGRESSING or status.step_started_at is None:
             return
+        if status.awaiting_approval_since is not None:
+            return      # waiting for a person is no lack of progress: a new step starts the deadline anew
         # time spent holding for Prometheus is not the step's fault: the deadline waits for it
         limit = (status.step_started_at + self.spec.step(status.step_index).pause + self.spec.progress_deadline
                  + status.analysis.held_by_outage(self.now))
@@ -566,6 +631,12 @@ class _Machine:
         if not self.ready:
             self.note("NoPods", f"{head}; {why}")
             return
+        if status.awaiting_approval_since is not None:
+            status.reason, status.message = AWAITING_APPROVAL, self.approval_message()
+            return
+        if self.spec.step(status.step_index).until_approved and self.obs.controls.promote == "step" \
+                and not self.promote_used:
+            why += "; approved already (graft.dev/promote): it goes on once the analysis passes"
         status.reason = UNAVAILABLE if ready and status.analysis.outage_since is not None else "Progressing"
         status.message = f"{head}; {why}"
 
@@ -573,6 +644,7 @@ class _Machine:
     def promote(self) -> None:
         status = self.status
         status.phase, status.reason, status.weight = PROMOTED, "Promoted", 100
+        status.awaiting_approval_since = None
         status.stable_revision = status.canary_revision
         self.actions.append(RecordPromotion())
         for record in status.pods:
@@ -587,6 +659,7 @@ class _Machine:
         status = self.status
         status.phase, status.reason, status.message = ROLLING_BACK, reason, message
         status.cause, status.end_phase = message, end
+        status.awaiting_approval_since = None
         # nothing planned for the step still applies: rolling back recomputes pods and route
         self.actions = [action for action in self.actions if isinstance(action, (ClearPromote, ClearResume))]
         self.event("RollingBack", f"{message}; reverting {self.ref}", WARNING)

@@ -93,6 +93,7 @@ class Controls:
     promote: str | None = None          # annotation graft.dev/promote: step | full
     abort: bool = False                 # annotation graft.dev/abort: "true"
     resume: bool = False                # annotation graft.dev/resume: ends a pause the controller decided
+    promoted_by: str | None = None      # who set graft.dev/promote, where the object tells (its field manager)
 
 
 @dataclass(slots=True)
@@ -104,6 +105,7 @@ class Observation:
     problem: Problem | None = None
     created_at: float = 0.0
     generation: int = 0
+    name: str = ""                                  # the rollout's own name (for the hints it gives)
 
     def pod(self, name: str) -> PodObservation | None:
         return next((p for p in self.pods if p.name == name), None)

@@ -21,7 +21,13 @@ metrics are simulated:
 - Prometheus: counters kept per revision and read back over each check's window, quantiles computed
   as `histogram_quantile` does (linear inside the bucket); an outage makes every query fail;
 - pods: restarts at random (an engine comes back running its `graft.dev/patches` annotation, as the
-  Downward API gives it, and is un-Ready for a while).
+  Downward API gives it, and is un-Ready for a while);
+- people: a manual step (`untilApproved: true`, `pause: {}`) waits, once its analysis passed, for an
+  approval; a simulated person gives it `approve_after` seconds into the wait (the annotation
+  graft.dev/promote, as `graft rollout promote` sets it), the analysis going on meanwhile, so a
+  regression can still be caught while the step waits. With `approve_after` None nobody approves:
+  the run ends at the first wait, Progressing with reason AwaitingApproval (counted apart, as
+  awaiting approval).
 
 The numbers the analysis needs are the ones `graft.rollout.analysis.plan_run` lists; the simulator
 computes each from its counters instead of asking Prometheus, and hands them to the same judge.
@@ -38,7 +44,7 @@ import numpy as np
 
 from graft.rollout import analysis as judge
 from graft.rollout.decision import LabelPod, PatchPod, SetWeight, UnpatchPod
-from graft.rollout.machine import analysis_due, decide, known_revision
+from graft.rollout.machine import AWAITING_APPROVAL, analysis_due, decide, known_revision
 from graft.rollout.observation import Controls, Measurement, Observation, PodObservation
 from graft.rollout.queries import CANARY, DIVERGENT, FAILED, Series
 from graft.api import BASE, FINAL_PHASES, has_patch, with_patch, without_patch
@@ -120,6 +126,7 @@ class Scenario:
     outage: tuple[float, float] | None = None    # Prometheus unreachable from..until (seconds)
     tick: float = 5.0
     horizon: float = 6 * 3600.0
+    approve_after: float | None = 0.0     # a manual step's wait before a person approves; None: never
 
 
 @dataclass(slots=True)
@@ -355,7 +362,13 @@ class Simulation:
             if obs.revision is None and obs.ready:
                 obs.revision = p.revision
             pods.append(obs)
-        return Observation(pods, measurements, self.route_weight, Controls(), None, 0.0, self.generation)
+        return Observation(pods, measurements, self.route_weight, Controls(promote=self._approval(now)), None, 0.0,
+                           self.generation)
+
+    def _approval(self, now: float) -> str | None:
+        """graft.dev/promote as the simulated person sets it: `approve_after` into a manual step's wait."""
+        since, after = self.status.awaiting_approval_since, self.sc.approve_after
+        return "step" if since is not None and after is not None and now >= since + after else None
 
     def _execute(self, actions, answered: dict[str, str]) -> None:
         for a in actions:
@@ -396,6 +409,8 @@ class Simulation:
             s = self.status
             if s.phase in FINAL_PHASES or (s.phase == PAUSED and s.pause_conditions):
                 break
+            if s.awaiting_approval_since is not None and sc.approve_after is None:
+                break       # nobody approves: the run ends waiting for a person
         s = self.status
         return Outcome(s.phase, s.reason, now, s.step_index + 1, s.message, [e.reason for e in self.events])
 
@@ -433,6 +448,8 @@ class Summary:
     undecided: int
     median_seconds: float
     steps: dict[int, int]                 # rollbacks by step (from 1)
+    awaiting: int = 0                     # ended waiting for an approval nobody gave (approve_after None)
+    approvals: int = 0                    # manual steps approved, over every run
 
     @property
     def promote_rate(self) -> float:
@@ -440,17 +457,21 @@ class Summary:
 
     @property
     def catch_rate(self) -> float:
-        return (self.runs - self.promoted) / self.runs if self.runs else 0.0
+        """Runs the analysis kept from promoting: a run that reached a person (awaiting approval) is not
+        caught, whatever that person would decide."""
+        return (self.runs - self.promoted - self.awaiting) / self.runs if self.runs else 0.0
 
 
 def summarise(outcomes: list[Outcome]) -> Summary:
     promoted = sum(o.phase == PROMOTED for o in outcomes)
     rolled = [o for o in outcomes if o.phase in ("RolledBack", "Failed")]
     paused = sum(o.phase == PAUSED for o in outcomes)
+    awaiting = sum(o.phase not in FINAL_PHASES and o.reason == AWAITING_APPROVAL for o in outcomes)
     steps: dict[int, int] = {}
     for o in rolled:
         steps[o.step] = steps.get(o.step, 0) + 1
     decided = [o.seconds for o in outcomes if o.phase in FINAL_PHASES or o.phase == PAUSED]
     return Summary(len(outcomes), promoted, len(rolled), paused,
-                   len(outcomes) - promoted - len(rolled) - paused,
-                   statistics.median(decided) if decided else math.nan, dict(sorted(steps.items())))
+                   len(outcomes) - promoted - len(rolled) - paused - awaiting,
+                   statistics.median(decided) if decided else math.nan, dict(sorted(steps.items())),
+                   awaiting, sum(o.reasons.count("Approved") for o in outcomes))

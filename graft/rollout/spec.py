@@ -92,6 +92,8 @@ DEFAULT_ROLLBACK_CONFIDENCE = 0.999
 DEFAULT_INCONCLUSIVE_LIMIT = 20
 DEFAULT_ERROR_LIMIT = 4
 DEFAULT_OUTAGE_LIMIT = "10m"
+DEFAULT_MEASUREMENT_RETENTION = 10   # analysis runs kept in status.analysisHistory
+MAX_MEASUREMENT_RETENTION = 100
 DEFAULT_REVISION_HISTORY_LIMIT = 10   # finished PatchRollouts a PatchFleet keeps (its CRD default)
 # What the CRD defaults (the API server stores these); the checks themselves default in parse_spec,
 # because a rollout that names a template must not also get the default list.
@@ -106,6 +108,7 @@ DEFAULTS: dict[str, Any] = {
         "inconclusiveLimit": DEFAULT_INCONCLUSIVE_LIMIT,
         "errorLimit": DEFAULT_ERROR_LIMIT,
         "outageLimit": DEFAULT_OUTAGE_LIMIT,
+        "measurementRetention": DEFAULT_MEASUREMENT_RETENTION,
     },
     "progressDeadline": "30m",
     "paused": False,
@@ -195,6 +198,10 @@ class Step:
     weight: int
     pause: float = 0.0
     pause_text: str | None = None
+    # a manual gate: once the step's analysis passes it holds until a person approves (the annotation
+    # graft.dev/promote, `graft rollout promote`); spelt `untilApproved: true` or, as Argo Rollouts
+    # does, `pause: {}`
+    until_approved: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -269,6 +276,7 @@ class Analysis:
     error_limit: int = DEFAULT_ERROR_LIMIT
     outage_limit: float = parse_duration(DEFAULT_OUTAGE_LIMIT)   # seconds; 0: hold for ever
     templates: tuple[tuple[str, bool], ...] = ()          # (name, cluster-scoped) as referenced
+    measurement_retention: int = DEFAULT_MEASUREMENT_RETENTION   # runs kept in status.analysisHistory
 
     @property
     def checks(self) -> tuple[Check, ...]:
@@ -582,28 +590,61 @@ def _steps(r: _Reader, value: Any, path: str) -> tuple[Step, ...]:
         d = r.obj(item, where)
         if d is None:
             continue
-        r.known(d, where, ("weight", "pause"))
+        r.known(d, where, ("weight", "pause", "untilApproved"))
         if "weight" not in d:
             r.fail(f"{where}.weight", "required")
             continue
         weight = r.integer(d, "weight", where, 1, 100)
-        pause_text = r.string(d, "pause", where, DURATION_PATTERN, required=False)
+        pause_text, until_approved = _pause(r, d, where)
         if weight is None:
             continue
         if steps and weight <= steps[-1].weight:
             r.fail(f"{where}.weight", f"must be greater than the previous step's weight ({steps[-1].weight})")
-        steps.append(Step(weight, parse_duration(pause_text) if pause_text else 0.0, pause_text))
+        steps.append(Step(weight, parse_duration(pause_text) if pause_text else 0.0, pause_text, until_approved))
     last = value[-1]
     if steps and isinstance(last, dict) and last.get("weight") != 100:
         r.fail(f"{path}[{len(value) - 1}].weight", "the last step must have weight 100")
     return tuple(steps)
 
 
+def _pause(r: _Reader, d: dict, where: str) -> tuple[str | None, bool]:
+    """A step's pause: (the duration as written, or None; whether it waits for approval).
+
+    `pause` is a duration ("10m") or `{}` (Argo Rollouts' spelling of a pause until promoted);
+    `untilApproved: true` is the canonical spelling of the latter. A step waits for its duration or
+    for a person, never both: the two are refused together, and so is `pause: {}` with
+    `untilApproved: false`."""
+    until = d.get("untilApproved")
+    if until is not None and not isinstance(until, bool):
+        r.fail(f"{where}.untilApproved", "must be true or false")
+        until = None
+    pause = d.get("pause")
+    if pause is None or isinstance(pause, str):
+        text = r.string(d, "pause", where, DURATION_PATTERN, required=False)
+        if text is not None and until:
+            r.fail(where, f"a step waits for a duration (pause: {text}) or for approval (untilApproved: true), "
+                          "not both; drop one")
+        return text, bool(until)
+    if isinstance(pause, dict):
+        if pause:
+            hint = (f"; a duration is written pause: {pause['duration']}"
+                    if set(pause) == {"duration"} and isinstance(pause["duration"], str) else "")
+            r.fail(f"{where}.pause", f"must be a duration (\"10m\") or {{}} (wait for approval); "
+                                     f"{{}} takes no fields, not {', '.join(map(str, pause))}{hint}")
+            return None, bool(until)
+        if until is False:
+            r.fail(where, "pause: {} waits for approval, untilApproved: false says not to; drop one")
+            return None, False
+        return None, True
+    r.fail(f"{where}.pause", f"must be a duration (\"10m\") or {{}} (wait for approval), not {pause!r:.40}")
+    return None, bool(until)
+
+
 def _analysis(r: _Reader, value: Any, path: str, templates: Templates) -> Analysis:
     d = r.obj(value, path) or {}
     r.known(d, path, ("prometheus", "interval", "breakers", "gates", "templates", "args", "noData",
                       "confidence", "rollbackConfidence", "inconclusiveLimit", "errorLimit",
-                      "outageLimit"))
+                      "outageLimit", "measurementRetention"))
     source = _prometheus(r, d.get("prometheus"), f"{path}.prometheus")
     interval = r.duration(d, "interval", path)
     if not r.errors_at(f"{path}.interval") and interval < 1:
@@ -616,6 +657,7 @@ def _analysis(r: _Reader, value: Any, path: str, templates: Templates) -> Analys
     inconclusive_limit = r.integer(d, "inconclusiveLimit", path, 0, 1000)
     error_limit = r.integer(d, "errorLimit", path, 0, 1000)
     outage_limit = r.duration(d, "outageLimit", path) if "outageLimit" in d else parse_duration(DEFAULT_OUTAGE_LIMIT)
+    retention = r.integer(d, "measurementRetention", path, 0, MAX_MEASUREMENT_RETENTION)
     refs = _template_refs(r, d.get("templates"), f"{path}.templates")
     args = _args(r, d.get("args"), f"{path}.args")
 
@@ -676,7 +718,8 @@ def _analysis(r: _Reader, value: Any, path: str, templates: Templates) -> Analys
                     DEFAULT_CONFIDENCE if confidence is None else confidence,
                     DEFAULT_ROLLBACK_CONFIDENCE if rollback_confidence is None else rollback_confidence,
                     DEFAULT_INCONCLUSIVE_LIMIT if inconclusive_limit is None else inconclusive_limit,
-                    DEFAULT_ERROR_LIMIT if error_limit is None else error_limit, outage_limit, tuple(refs))
+                    DEFAULT_ERROR_LIMIT if error_limit is None else error_limit, outage_limit, tuple(refs),
+                    DEFAULT_MEASUREMENT_RETENTION if retention is None else retention)
 
 
 def _prometheus(r: _Reader, value: Any, path: str) -> PrometheusSource:

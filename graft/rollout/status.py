@@ -6,6 +6,7 @@ Times are epoch seconds in memory and RFC 3339 strings (UTC, milliseconds) in th
 from __future__ import annotations
 
 import copy
+import pickle
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -89,6 +90,34 @@ class CheckResult:
                    d.get("message", ""), d.get("role", "breaker"), bool(d.get("conclusive", False)),
                    bool(d.get("short", False)), dict(d.get("numbers") or {}))
 
+    def to_record(self) -> dict[str, Any]:
+        """The check as `status.analysisHistory` keeps it: its numbers without the sentence (a run of
+        forty checks a hundred times over must stay far below the object's size limit)."""
+        d = self.to_dict()
+        d.pop("message", None)
+        d.pop("short", None)
+        return d
+
+
+@dataclass(slots=True)
+class AnalysisRun:
+    """One past analysis run, as `graft rollout history` shows it: when, at which step (counted from
+    1), its verdict and each check's numbers."""
+
+    time: float
+    step: int
+    verdict: str
+    results: list[CheckResult] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"time": to_time(self.time), "step": self.step, "verdict": self.verdict,
+                "results": [r.to_record() for r in self.results]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "AnalysisRun":
+        return cls(from_time(d.get("time")) or 0.0, int(d.get("step") or 0), d.get("verdict") or "",
+                   [CheckResult.from_dict(r) for r in d.get("results") or [] if isinstance(r, dict) and "name" in r])
+
 
 @dataclass(slots=True)
 class AnalysisStatus:
@@ -141,6 +170,8 @@ class RolloutStatus:
     cause: str = ""                     # why it is rolling back
     full_promotion: bool = False
     observed_generation: int = 0
+    # an untilApproved step whose analysis passed: since when it waits for a person (graft.dev/promote)
+    awaiting_approval_since: float | None = None
     # pauses the controller decided (the analysis could not): kept here, never in spec.paused, so a
     # GitOps tool's self-heal cannot resume them; the annotation graft.dev/resume ends them
     pause_conditions: list[dict[str, Any]] = field(default_factory=list)
@@ -151,12 +182,31 @@ class RolloutStatus:
     conditions: list[dict[str, Any]] = field(default_factory=list)
     pods: list[PodRecord] = field(default_factory=list)
     analysis: AnalysisStatus = field(default_factory=AnalysisStatus)
+    # the latest analysis runs, oldest first, at most spec.analysis.measurementRetention of them
+    analysis_history: list[AnalysisRun] = field(default_factory=list)
+
+    def record_analysis(self, retention: int) -> None:
+        """Keep the analysis run just made (status.analysis) in the history, trimmed to `retention` runs."""
+        a = self.analysis
+        if a.last_run is not None and a.verdict is not None:
+            self.analysis_history.append(AnalysisRun(a.last_run, self.step_index + 1, a.verdict,
+                                                     copy.deepcopy(a.results)))
+        del self.analysis_history[:max(0, len(self.analysis_history) - retention)]
 
     def pod(self, name: str) -> PodRecord | None:
         return next((p for p in self.pods if p.name == name), None)
 
     def copy(self) -> "RolloutStatus":
-        return copy.deepcopy(self)
+        """A copy to change; the kept analysis runs are shared, never changed once kept (a copy of
+        each on every decision would cost the simulator, which decides thousands of times a run)."""
+        history, self.analysis_history = self.analysis_history, []
+        try:
+            # a deep copy; pickle's round trip makes it several times faster than copy.deepcopy
+            out = pickle.loads(pickle.dumps(self, pickle.HIGHEST_PROTOCOL))
+        finally:
+            self.analysis_history = history
+        out.analysis_history = list(history)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """The status as stored; fields with no value are written as None so a merge patch clears them."""
@@ -167,11 +217,13 @@ class RolloutStatus:
             "startedAt": to_time(self.started_at), "stepStartedAt": to_time(self.step_started_at),
             "stepReadyAt": to_time(self.step_ready_at), "endPhase": self.end_phase or None, "cause": self.cause or None,
             "fullPromotion": self.full_promotion, "observedGeneration": self.observed_generation,
+            "awaitingApprovalSince": to_time(self.awaiting_approval_since),
             "pauseConditions": self.pause_conditions or None, "fleet": self.fleet or None,
             "stablePatch": self.stable_patch or None,
             "step": self.step_index + 1, "canaryPods": self.canary_pods, "trafficShare": self.traffic_share,
             "pods": [p.to_dict() for p in self.pods],
             "analysis": self.analysis.to_dict(),
+            "analysisHistory": [r.to_dict() for r in self.analysis_history] or None,
             "conditions": self.conditions or None,
         }
 
@@ -211,12 +263,14 @@ class RolloutStatus:
             step_started_at=from_time(d.get("stepStartedAt")), step_ready_at=from_time(d.get("stepReadyAt")),
             end_phase=d.get("endPhase") or "", cause=d.get("cause") or "", full_promotion=bool(d.get("fullPromotion")),
             observed_generation=int(d.get("observedGeneration") or 0),
+            awaiting_approval_since=from_time(d.get("awaitingApprovalSince")),
             pause_conditions=[dict(c) for c in d.get("pauseConditions") or [] if isinstance(c, dict)],
             fleet=d.get("fleet") or "", stable_patch=d.get("stablePatch") or "", canary_pods=int(d.get("canaryPods") or 0),
             traffic_share=float(d.get("trafficShare") or 0.0),
             conditions=[dict(c) for c in d.get("conditions") or []],
             pods=[PodRecord.from_dict(p) for p in d.get("pods") or []],
             analysis=AnalysisStatus.from_dict(d.get("analysis")),
+            analysis_history=[AnalysisRun.from_dict(r) for r in d.get("analysisHistory") or [] if isinstance(r, dict)],
         )
 
 

@@ -18,7 +18,8 @@ from operator_cluster import create, get_rollout, manifest
 
 pytestmark = pytest.mark.timeout(60)
 BIN = Path(sys.executable).parent
-VERBS = ("status", "pause", "resume", "promote", "abort", "simulate")
+VERBS = ("list", "status", "pause", "resume", "promote", "abort", "retry", "undo", "history", "lint", "simulate")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def script(name: str) -> str:
@@ -50,6 +51,25 @@ def test_help_names_every_verb(argv):
     assert out.stdout.startswith("usage: graft rollout")
     for verb in VERBS:
         assert verb in out.stdout, verb
+    # the exit codes, the same for every verb
+    assert "exit codes: 0 done; 1 refused or failed" in " ".join(out.stdout.split())
+    assert "2 usage" in out.stdout
+
+
+@pytest.mark.parametrize("name", ["kubectl-graft", "graft"])
+def test_lint_checks_against_the_crds_through_either_command(name, tmp_path):
+    """The installed commands hand lint the API server's reviewer: a field the CRD does not declare is
+    refused as the API server refuses it (the operator's modules alone cannot import that reviewer)."""
+    path = tmp_path / "r.yaml"
+    path.write_text((ROOT / "examples" / "rollout-builtin.yaml").read_text().replace(
+        "spec:\n", "spec:\n  colour: blue\n", 1))
+    argv = [script(name), *(["rollout"] if name == "graft" else []), "lint", "-f", str(path)]
+    out = run(*argv)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "spec.colour: unknown field (strict decoding error) (API server)" in out.stdout
+    out = run(*argv[:-1], str(ROOT / "examples" / "rollout-builtin.yaml"))
+    assert out.returncode == 0 and "kind: PatchRollout" in out.stdout, out.stdout + out.stderr
+    assert "not checked against the CRDs' schemas" not in out.stdout
 
 
 def test_a_verb_without_its_rollout_is_a_usage_error():

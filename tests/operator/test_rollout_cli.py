@@ -1,5 +1,6 @@
 """`graft rollout` (and `kubectl graft`): each verb changes one field; status shows the numbers."""
 import asyncio
+import json
 import re
 
 import pytest
@@ -7,7 +8,7 @@ from rich.console import Console
 
 from graft.devcluster.kubeconfig import write_kubeconfig
 from graft.operator.cli import main_rollout
-from graft.operator.kube import rollout_path
+from graft.operator.kube import fleet_path, rollout_path
 
 from operator_cluster import create, get_rollout, manifest
 
@@ -136,7 +137,8 @@ def watch_status(namespace, kubeconfig):
     return asyncio.create_task(asyncio.to_thread(main_rollout, argv, console)), console
 
 
-@pytest.mark.parametrize("phase,code", [("Promoted", 0), ("RolledBack", 2)])
+# 3, not 2: argparse's usage errors are 2, and a script must tell "did not promote" from "wrong command"
+@pytest.mark.parametrize("phase,code", [("Promoted", 0), ("RolledBack", 3)])
 async def test_status_watch_of_a_rollout_deleted_as_it_finishes_exits_as_its_final_phase(
         cluster, namespace, rollout, phase, code):
     """With `ttlSecondsAfterFinished: 0` the operator deletes a rollout as soon as it finishes: the
@@ -160,7 +162,7 @@ async def test_status_watch_of_a_rollout_deleted_before_it_finished_says_so_and_
     watch, console = watch_status(namespace, rollout)
     await asyncio.sleep(0.5)
     await cluster.kube.delete(rollout_path(namespace, "kv-align"))
-    assert await asyncio.wait_for(watch, 10) == 3
+    assert await asyncio.wait_for(watch, 10) == 4
     out = " ".join(console.export_text().split())
     assert "step 2/3: weight 50%" in out                                # the last status it saw
     assert f"PatchRollout {namespace}/kv-align was deleted before it finished (last seen Progressing)" in out, out
@@ -246,3 +248,159 @@ async def test_the_demo_shows_a_rollout_in_the_very_lines_of_graft_rollout_statu
     for line in status_lines:
         assert line in demo[at:], line
         at = demo.index(line, at) + 1
+
+
+# -- list, history, undo ------------------------------------------------------------------------------
+
+FLEET_STATUS = {"revision": "kv-align@3.2.1", "pods": 3, "converged": 3,
+                "conditions": [{"type": "Converged", "status": "True", "reason": "Converged",
+                                "message": "3 of 3 pods run kv-align@3.2.1"}]}
+
+
+async def make_fleet(cluster, namespace, name="llm-engine", patches=None, status=None):
+    patches = [{"name": "kv-align", "version": "3.2.1", "source": {"builtin": {}}}] if patches is None else patches
+    await cluster.kube.create(fleet_path(namespace), {
+        "apiVersion": "graft.dev/v1alpha1", "kind": "PatchFleet", "metadata": {"name": name},
+        "spec": {"selector": {"matchLabels": {"app": "llm-engine"}}, "patches": patches}})
+    await cluster.kube.merge_patch(fleet_path(namespace, name) + "/status", {"status": status or FLEET_STATUS})
+
+
+def table(out):
+    """kubectl's plain columns as rows of cells (no cell of these tests holds a space)."""
+    return [line.split() for line in out.splitlines() if line.strip()]
+
+
+async def test_list_shows_every_rollout_and_fleet_as_plain_columns(cluster, namespace, prometheus, rollout):
+    await create(cluster, namespace, manifest(prometheus, name="kv-align-new"))
+    await make_fleet(cluster, namespace)
+    code, out = await cli(rollout, namespace, "list")
+    assert code == 0, out
+    rows = table(out)
+    assert rows[0] == ["NAME", "KIND", "PHASE", "STEP", "WEIGHT", "CANARY", "STABLE", "AGE"], out
+    # rollouts first, then fleets, each kind by name; no box drawing, no colour codes
+    assert [r[:7] for r in rows[1:]] == [
+        ["kv-align", "PatchRollout", "Progressing", "2/3", "50%", "kv-align@3.2.1", "base"],
+        ["kv-align-new", "PatchRollout", "Pending", "0/3", "0%", "-", "-"],
+        ["llm-engine", "PatchFleet", "Converged", "-", "-", "-", "kv-align@3.2.1"]], out
+    assert all(re.fullmatch(r"\d+s|\d+m\d*s?", r[7]) for r in rows[1:]), out
+    assert "─" not in out and "\x1b" not in out
+
+
+async def test_list_all_namespaces_adds_the_namespace_and_json_gives_the_fields(cluster, namespace, rollout):
+    await make_fleet(cluster, namespace)
+    console = Console(record=True, width=400, force_terminal=False)
+    code = await asyncio.to_thread(main_rollout, ["list", "-A", "--kubeconfig", rollout], console)
+    out = console.export_text()
+    assert code == 0, out
+    rows = table(out)
+    assert rows[0][:2] == ["NAMESPACE", "NAME"] and [namespace, "kv-align", "PatchRollout"] in [r[:3] for r in rows]
+    code, out = await cli(rollout, namespace, "list", "-o", "json")
+    assert code == 0, out
+    items = json.loads(out)
+    assert [(i["kind"], i["name"], i["phase"]) for i in items] == [
+        ("PatchRollout", "kv-align", "Progressing"), ("PatchFleet", "llm-engine", "Converged")]
+    assert items[0]["step"] == "2/3" and items[0]["canary"] == "kv-align@3.2.1" and items[1]["pods"] == 3
+
+
+async def test_list_on_a_terminal_is_a_table_and_an_empty_namespace_says_so(cluster, namespace, rollout):
+    console = Console(record=True, width=200, force_terminal=True)
+    code = await asyncio.to_thread(main_rollout, ["list", "-n", namespace, "--kubeconfig", rollout], console)
+    out = console.export_text()
+    assert code == 0 and "Name" in out and "kv-align" in out and "Progressing" in out and "NAME" not in out, out
+    code, out = await cli(rollout, "default", "list")
+    assert code == 0 and "No PatchRollouts or PatchFleets in default" in out, out
+
+
+def run_record(time, step, verdict, value):
+    return {"time": time, "step": step, "verdict": verdict, "results": [
+        {"name": "error-rate", "role": "breaker", "value": value, "threshold": "<= 0.005", "window": "60s",
+         "verdict": verdict, "breaches": 0, "numbers": {"requests": 3000, "errors": value * 3000,
+                                                       "lower": value / 2, "upper": value * 2}},
+        {"name": "error-rate-delta", "role": "gate", "threshold": "<= 0.001", "window": "step",
+         "verdict": "Inconclusive", "numbers": {"canary_requests": 1000, "canary_errors": 2, "stable_requests": 900,
+                                                "stable_errors": 1, "lower": -0.002, "upper": 0.004}}]}
+
+
+async def test_history_shows_each_run_a_row_per_check(cluster, namespace, rollout):
+    runs = [run_record("2026-01-01T00:00:01.000Z", 1, "Successful", 0.001),
+            run_record("2026-01-01T00:00:02.000Z", 2, "Inconclusive", 0.002)]
+    await cluster.kube.merge_patch(rollout_path(namespace, "kv-align") + "/status",
+                                   {"status": {"analysisHistory": runs}})
+    code, out = await cli(rollout, namespace, "history", "kv-align")
+    assert code == 0, out
+    assert f"PatchRollout {namespace}/kv-align: the last 2 analysis runs, oldest first (measurementRetention 10)" in out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("TIME"))
+    assert lines[header].split() == ["TIME", "STEP", "RUN", "CHECK", "ROLE", "VALUE", "THRESHOLD", "COUNTS",
+                                     "BOUNDS", "VERDICT"]
+    first, second = lines[header + 1], lines[header + 3]
+    assert first.startswith("2026-01-01T00:00:01.000Z") and "1/3" in first and "Successful" in first
+    assert "error-rate " in first and "0.001 " in first and "3/3000 bad" in first and "[0.0005, 0.002]" in first
+    gate = lines[header + 2]
+    assert gate.split()[0] == "error-rate-delta" and "canary 2/1000, stable 1/900 errors" in gate, gate
+    assert second.startswith("2026-01-01T00:00:02.000Z") and "2/3" in second and "Inconclusive" in second
+    code, out = await cli(rollout, namespace, "history", "kv-align", "-o", "json")
+    assert code == 0 and json.loads(out) == runs
+
+
+async def test_history_of_a_rollout_without_runs_says_so(cluster, namespace, rollout):
+    code, out = await cli(rollout, namespace, "history", "kv-align")
+    assert code == 0 and "no analysis run kept (measurementRetention 10)" in out, out
+    code, out = await cli(rollout, namespace, "history", "nope")
+    assert code == 1 and "not found" in out
+
+
+async def promoted(cluster, namespace, name="kv-align", **status):
+    await cluster.kube.merge_patch(rollout_path(namespace, name) + "/status", {"status": {
+        "phase": "Promoted", "reason": "Promoted", "stepIndex": 2, "weight": 100, "fleet": "llm-engine",
+        "stableRevision": "kv-align@3.2.1", "canaryRevision": "kv-align@3.2.1", **status}})
+
+
+async def test_undo_creates_the_revert_rollout_of_a_promoted_one(cluster, namespace, rollout):
+    await make_fleet(cluster, namespace)
+    await promoted(cluster, namespace)
+    await cluster.kube.merge_patch(rollout_path(namespace, "kv-align"), {"spec": {"paused": True}})
+    code, out = await cli(rollout, namespace, "undo", "kv-align")
+    assert code == 0, out
+    assert f"PatchRollout {namespace}/kv-align-undo created: it reverts kv-align@3.2.1 step by step, " \
+           "undoing kv-align" in out, out
+    original = await get_rollout(cluster.kube, namespace, "kv-align")
+    undo = await get_rollout(cluster.kube, namespace, "kv-align-undo")
+    assert undo["spec"]["action"] == "revert" and undo["spec"]["paused"] is False
+    for key in ("selector", "patch", "steps", "analysis", "trafficRouting", "progressDeadline"):
+        assert undo["spec"][key] == original["spec"][key], key
+    assert undo["metadata"]["annotations"]["graft.dev/undo-of"] == "kv-align"
+    # a second undo while the first has not finished is refused; once it has, the name is taken: -2
+    code, out = await cli(rollout, namespace, "undo", "kv-align")
+    assert code == 1 and f"is being undone already by PatchRollout {namespace}/kv-align-undo (Pending)" in out, out
+    await cluster.kube.merge_patch(rollout_path(namespace, "kv-align-undo") + "/status",
+                                   {"status": {"phase": "RolledBack"}})
+    code, out = await cli(rollout, namespace, "undo", "kv-align", "-o", "name")
+    assert code == 0 and out.strip() == "kv-align-undo-2", out
+
+
+async def test_undo_of_a_revert_applies_the_patch_again(cluster, namespace, prometheus, rollout):
+    await make_fleet(cluster, namespace, patches=[])
+    await create(cluster, namespace, manifest(prometheus, name="kv-align-out", action="revert"))
+    await promoted(cluster, namespace, "kv-align-out", stableRevision="base", canaryRevision="base")
+    code, out = await cli(rollout, namespace, "undo", "kv-align-out")
+    assert code == 0 and "it applies kv-align@3.2.1 step by step, undoing kv-align-out" in out, out
+    assert (await get_rollout(cluster.kube, namespace, "kv-align-out-undo"))["spec"]["action"] == "apply"
+
+
+@pytest.mark.parametrize("status,fleet_patches,why", [
+    ({"phase": "Progressing"}, None, "is Progressing: only a Promoted rollout can be undone (graft rollout abort "
+                                     "kv-align rolls it back)"),
+    ({"phase": "RolledBack"}, None, "is RolledBack: only a Promoted rollout can be undone (nothing of it stays"),
+    ({"phase": "Promoted", "fleet": "llm-engine", "stablePatch": "kv-align@3.2.0"}, None,
+     "replaced kv-align@3.2.0 with kv-align@3.2.1: a revert would leave the pods with neither"),
+    ({"phase": "Promoted", "fleet": "llm-engine"}, [{"name": "kv-align", "version": "3.2.2", "source": {"builtin": {}}}],
+     "PatchFleet {ns}/llm-engine runs kv-align@3.2.2 now, not the kv-align@3.2.1 that PatchRollout {ns}/kv-align "
+     "applied: a later rollout changed it"),
+])
+async def test_undo_refuses_what_it_cannot_undo(cluster, namespace, rollout, status, fleet_patches, why):
+    await make_fleet(cluster, namespace, patches=fleet_patches)
+    await cluster.kube.merge_patch(rollout_path(namespace, "kv-align") + "/status", {"status": status})
+    code, out = await cli(rollout, namespace, "undo", "kv-align")
+    assert code == 1 and why.format(ns=namespace) in " ".join(out.split()), out
+    assert [o["metadata"]["name"] for o in await cluster.kube.list(rollout_path(namespace, "x")[:-2])] == ["kv-align"]

@@ -64,6 +64,8 @@ class Fleet:
     events: list = field(default_factory=list)
     created_at: float = 0.0
     generation: int = 1
+    name: str = ""                 # the rollout's name, as the operator hands it to `decide`
+    promoted_by: str | None = None  # who set graft.dev/promote, as the object's managedFields tell
 
     @classmethod
     def of(cls, spec: RolloutSpec, n: int, gateway: bool = False) -> "Fleet":
@@ -106,8 +108,9 @@ class Fleet:
                 if obs.error.kind == "unreachable":
                     obs.revision = None         # the answer never came: state unknown
             pods.append(obs)
-        return Observation(pods, measurements, self.route_weight, Controls(self.promote, self.abort, self.resume),
-                           self.problem, self.created_at, self.generation)
+        return Observation(pods, measurements, self.route_weight,
+                           Controls(self.promote, self.abort, self.resume, self.promoted_by),
+                           self.problem, self.created_at, self.generation, self.name)
 
     def execute(self, d: Decision, answered: dict[str, str]) -> dict[str, PodError]:
         errors = {}

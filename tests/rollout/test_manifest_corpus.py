@@ -1,6 +1,11 @@
 """One verdict for every manifest: the CRD (through the API server emulator, which applies the schema
 and evaluates CEL rules as kube-apiserver does) and parse_spec (what the operator checks, against an
 older CRD or an API server that skips rules) accept and refuse the same specs, naming the same field.
+
+Except for what a structural schema cannot say (OPERATOR_ONLY): a step's `pause` is a duration string
+or `{}` (a manual approval step, Argo Rollouts' spelling), and a field that may be either has no type,
+so CEL rules cannot see it and the schema refuses only a bad string or an object with fields in it.
+The API server admits the rest; the operator refuses it (InvalidSpec) before it touches a pod.
 """
 from __future__ import annotations
 
@@ -103,6 +108,9 @@ INVALID = [
     ("step-pause-negative", setting("steps.0.pause", "-1m"), "spec.steps[0].pause"),
     ("step-pause-newline", setting("steps.0.pause", "1m\n"), "spec.steps[0].pause"),
     ("step-unknown-field", setting("steps.0.colour", "red"), "spec.steps[0].colour"),
+    ("step-pause-object-with-fields", setting("steps.0.pause", {"x": 1}), "spec.steps[0].pause"),
+    ("step-pause-argo-duration-object", setting("steps.0.pause", {"duration": "10m"}), "spec.steps[0].pause"),
+    ("step-until-approved-string", setting("steps.0.untilApproved", "yes"), "spec.steps[0].untilApproved"),
     ("interval-words", setting("analysis.interval", "often"), "spec.analysis.interval"),
     ("interval-days", setting("analysis.interval", "1d"), "spec.analysis.interval"),
     ("no-data-policy", setting("analysis.noData", "ignore"), "spec.analysis.noData"),
@@ -111,6 +119,9 @@ INVALID = [
     ("confidence-string", setting("analysis.confidence", "0.95"), "spec.analysis.confidence"),
     ("inconclusive-limit-negative", setting("analysis.inconclusiveLimit", -1), "spec.analysis.inconclusiveLimit"),
     ("error-limit-float", setting("analysis.errorLimit", 1.5), "spec.analysis.errorLimit"),
+    ("retention-101", setting("analysis.measurementRetention", 101), "spec.analysis.measurementRetention"),
+    ("retention-negative", setting("analysis.measurementRetention", -1), "spec.analysis.measurementRetention"),
+    ("retention-string", setting("analysis.measurementRetention", "10"), "spec.analysis.measurementRetention"),
     ("prometheus-not-url", setting("analysis.prometheus", {"address": "prometheus:9090"}),
      "spec.analysis.prometheus.address"),
     ("prometheus-space", setting("analysis.prometheus", {"address": "http://a b"}),
@@ -151,9 +162,16 @@ VALID_EDGES = [
                                                                         "values": ["a", "b"]}]})),
     ("prefixed-label-key", setting("selector.matchLabels", {"app.kubernetes.io/name": "llm"})),
     ("one-step", setting("steps", [{"weight": 100}])),
+    ("manual-step-until-approved", setting("steps", [{"weight": 10, "untilApproved": True}, {"weight": 100}])),
+    ("manual-step-argo-pause", setting("steps", [{"weight": 10, "pause": {}}, {"weight": 50, "pause": "1m"},
+                                                {"weight": 100, "untilApproved": True}])),
+    ("manual-step-both-spellings", setting("steps.0", {"weight": 10, "pause": {}, "untilApproved": True})),
+    ("until-approved-false-with-a-duration", setting("steps.0.untilApproved", False)),
     ("twenty-steps", setting("steps", [{"weight": w} for w in range(81, 100)] + [{"weight": 100}])),
     ("revert", setting("action", "revert")),
     ("ttl-zero", setting("ttlSecondsAfterFinished", 0)),
+    ("no-history", setting("analysis.measurementRetention", 0)),
+    ("longest-history", setting("analysis.measurementRetention", 100)),
     ("bundle-source", setting("patch.source", {"configMap": {"name": "b", "key": "p.py"}, "digest": DIGEST})),
     ("gateway", setting("trafficRouting", {"gatewayAPI": {"httpRoute": "r", "stableService": "s",
                                                           "canaryService": "c"}})),
@@ -163,6 +181,18 @@ VALID_EDGES = [
         "gates": [{"name": "output-divergence", "max": 0.01, "window": "step"}]})),
     ("output-divergence-by-metric-dry-run", setting("analysis.breakers.1", {
         "name": "divergence-trial", "metric": "output-divergence", "max": 1, "window": "5m", "dryRun": True})),
+]
+
+
+# admitted by the API server (a step's pause is a field without a type: see the module's docstring),
+# refused by the operator, naming the field
+OPERATOR_ONLY = [
+    ("step-pause-and-until-approved", setting("steps.0.untilApproved", True), "spec.steps[0]"),
+    ("step-pause-empty-object-not-approved", setting("steps.0", {"weight": 10, "pause": {}, "untilApproved": False}),
+     "spec.steps[0]"),
+    ("step-pause-number", setting("steps.0.pause", 60), "spec.steps[0].pause"),
+    ("step-pause-boolean", setting("steps.0.pause", True), "spec.steps[0].pause"),
+    ("step-pause-list", setting("steps.0.pause", ["1m"]), "spec.steps[0].pause"),
 ]
 
 
@@ -204,3 +234,29 @@ async def test_both_accept(api, case, change):
     status, answer = await admit(api, spec)
     assert status == 201, answer.get("message")
     parse_spec(answer["spec"])            # as stored, defaults filled in by the API server
+
+
+@pytest.mark.parametrize("case, change, field", OPERATOR_ONLY, ids=[c[0] for c in OPERATOR_ONLY])
+async def test_what_only_the_operator_refuses_of_a_pause(api, case, change, field):
+    spec = change(copy.deepcopy(VALID))
+    status, answer = await admit(api, spec)
+    assert status == 201, answer.get("message")
+    with pytest.raises(SpecError) as refused:
+        parse_spec(answer["spec"])
+    assert field in refused.value.paths, (field, refused.value.paths)
+
+
+def test_the_pause_field_is_structural_and_hidden_from_cel():
+    """kube-apiserver takes a field with no type only under x-kubernetes-preserve-unknown-fields, and
+    leaves such a field out of what CEL rules see: no rule may name it (it would not compile)."""
+    import yaml
+
+    crd = yaml.safe_load((ROOT / "crds" / "patchrollout.yaml").read_text())
+    steps = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["steps"]
+    pause = steps["items"]["properties"]["pause"]
+    assert "type" not in pause and pause["x-kubernetes-preserve-unknown-fields"] is True
+    assert pause["maxProperties"] == 0 and pause["pattern"].startswith("^")
+    assert steps["items"]["properties"]["untilApproved"]["type"] == "boolean"
+    rules = [r["rule"] for r in steps.get("x-kubernetes-validations", [])
+             + steps["items"].get("x-kubernetes-validations", [])]
+    assert rules and not any("pause" in r for r in rules)

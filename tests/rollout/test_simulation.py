@@ -275,3 +275,58 @@ def test_histogram_quantile_interpolates_as_prometheus_does():
     # a rank in the +Inf bucket answers the highest finite bound
     assert histogram_quantile(0.99, bounds, np.array([0.0, 0.0, 1.0, 5.0])) == pytest.approx(0.4)
     assert np.isnan(histogram_quantile(0.5, bounds, np.zeros(4)))
+
+
+# manual approval steps (untilApproved: true, pause: {})
+MANUAL_STEPS = [{"weight": 10, "pause": "2m"}, {"weight": 50, "untilApproved": True}, {"weight": 100, "pause": {}}]
+
+
+def test_a_simulated_person_approves_each_manual_step_after_a_while():
+    spec = default_spec(False, steps=MANUAL_STEPS)
+    outcomes = simulate(spec, Scenario(pods=10, approve_after=600.0), 4)
+    s = summarise(outcomes)
+    assert s.promoted == 4 and s.approvals == 8 and s.awaiting == 0, [o.message for o in outcomes]
+    for o in outcomes:
+        assert o.reasons.count("AwaitingApproval") == o.reasons.count("Approved") == 2
+        assert o.seconds >= 2 * 600 + 120, "each wait of 10m is in the time to the decision"
+
+
+def test_with_nobody_to_approve_a_run_ends_awaiting_approval():
+    spec = default_spec(False, steps=MANUAL_STEPS)
+    outcomes = simulate(spec, Scenario(pods=10, approve_after=None), 4)
+    assert {(o.phase, o.reason, o.step) for o in outcomes} == {("Progressing", "AwaitingApproval", 2)}
+    assert "graft rollout promote" in outcomes[0].message
+    s = summarise(outcomes)
+    assert (s.awaiting, s.undecided, s.promoted, s.catch_rate) == (4, 0, 0, 0.0)
+
+
+def test_a_regression_is_still_caught_while_its_step_waits_for_approval():
+    spec = default_spec(False, steps=MANUAL_STEPS)
+    # the patch goes bad once the manual step is reached, and nobody approves for an hour
+    sc = Scenario(pods=10, regression=Regression(errors=0.02, from_step=2), approve_after=3600.0)
+    outcomes = simulate(spec, sc, 4)
+    assert {(o.phase, o.step) for o in outcomes} == {("RolledBack", 2)}, [o.message for o in outcomes]
+    assert all("Approved" not in o.reasons for o in outcomes)
+
+
+def test_graft_rollout_simulate_says_how_it_treats_manual_steps(tmp_path):
+    doc = yaml.safe_load((ROOT / "examples" / "rollout-defaults.yaml").read_text())
+    doc["spec"]["steps"] = MANUAL_STEPS
+    path = tmp_path / "manual.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    console = Console(record=True, width=200, force_terminal=False)
+    assert simulate_cli(["-f", str(path), "--seeds", "2", "--bad", "errors=0.02"], console) == 0
+    out = console.export_text()
+    assert ("note: manual steps 2, 3 wait for approval (graft rollout promote); a simulated person approves "
+            "0s into the wait (at the next tick)") in out, out
+    assert "chance of promoting a good patch: 100% (2/2)" in out, out
+    console = Console(record=True, width=200, force_terminal=False)
+    assert simulate_cli(["-f", str(path), "--seeds", "2", "--bad", "errors=0.02", "--approve-after", "never"],
+                        console) == 0
+    out = console.export_text()
+    assert "nobody approves here: a run ends at the first wait (awaiting approval)" in out, out
+    assert any("awaiting approval" in line and "undecided" in line for line in out.splitlines()), out
+    assert "chance of promoting a good patch: 0% (0/2; 2 awaiting approval)" in out, out
+    console = Console(record=True, width=200, force_terminal=False)
+    assert simulate_cli(["-f", str(path), "--approve-after", "soon"], console) == 2
+    assert "'soon' is not a duration" in console.export_text()

@@ -289,6 +289,44 @@ def test_bad_field_is_named(change, path, words):
     assert words in errors[path]
 
 
+def manual(step: dict) -> dict:
+    """A spec whose first step is `step` (weight 20), then 100%."""
+    return {**MINIMAL, "steps": [{"weight": 20, **step}, {"weight": 100}]}
+
+
+@pytest.mark.parametrize("step", [{"untilApproved": True}, {"pause": {}}, {"pause": {}, "untilApproved": True}],
+                         ids=["untilApproved", "argo-pause-empty-object", "both-spellings"])
+def test_a_manual_step_has_two_spellings(step):
+    first = parse_spec(manual(step)).steps[0]
+    assert (first.weight, first.until_approved, first.pause, first.pause_text) == (20, True, 0.0, None)
+
+
+def test_an_ordinary_step_waits_for_no_one():
+    steps = parse_spec(manual({"pause": "5m", "untilApproved": False})).steps
+    assert [(s.until_approved, s.pause) for s in steps] == [(False, 300.0), (False, 0.0)]
+    assert not any(s.until_approved for s in parse_spec(MINIMAL).steps), "the default steps need no person"
+
+
+@pytest.mark.parametrize("step,path,words", [
+    ({"pause": {"x": 1}}, "spec.steps[0].pause", "{} takes no fields, not x"),
+    ({"pause": {"duration": "10m"}}, "spec.steps[0].pause", "a duration is written pause: 10m"),
+    ({"pause": 600}, "spec.steps[0].pause", 'must be a duration ("10m") or {} (wait for approval), not 600'),
+    ({"pause": ["10m"]}, "spec.steps[0].pause", "not ['10m']"),
+    ({"pause": True}, "spec.steps[0].pause", "not True"),
+    ({"pause": ""}, "spec.steps[0].pause", "non-empty string"),
+    ({"pause": "10m", "untilApproved": True}, "spec.steps[0]", "not both"),
+    ({"pause": "0s", "untilApproved": True}, "spec.steps[0]", "not both"),
+    ({"pause": {}, "untilApproved": False}, "spec.steps[0]", "drop one"),
+    ({"untilApproved": "yes"}, "spec.steps[0].untilApproved", "true or false"),
+    ({"untilApproved": 1}, "spec.steps[0].untilApproved", "true or false"),
+    ({"approval": True}, "spec.steps[0].approval", "unknown field (allowed: weight, pause, untilApproved)"),
+])
+def test_a_manual_step_badly_written_is_refused_by_field(step, path, words):
+    errors = errors_of(manual(step))
+    assert path in errors, errors
+    assert words in errors[path], errors[path]
+
+
 def test_every_bad_field_is_reported_at_once():
     errors = errors_of({"selector": {"matchLabels": {"a": "b"}}, "patch": {"name": "X"},
                         "steps": [{"weight": 500}], "analysis": {"noData": "x", "gates": [
