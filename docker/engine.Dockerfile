@@ -44,10 +44,11 @@ ENV PATH=/opt/graft/bin:$PATH \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 USER 10001:10001
-# 8000: inference, /health, /ready, /metrics; 8081: the admin API (token required). The engine
-# binds its admin API to loopback unless told otherwise; in a container nothing could reach it there.
-EXPOSE 8000 8081
+# 8000: inference, /health, /ready; 9400: /metrics (for Prometheus alone: its series name the
+# revision); 8081: the admin API (token required). The engine binds its admin API to loopback unless
+# told otherwise; in a container nothing could reach it there.
+EXPOSE 8000 9400 8081
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
   CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
 ENTRYPOINT ["graft"]
-CMD ["serve", "--host", "0.0.0.0", "--port", "8000", "--admin-host", "0.0.0.0", "--admin-port", "8081"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000", "--metrics-port", "9400", "--admin-host", "0.0.0.0", "--admin-port", "8081"]

@@ -12,7 +12,8 @@ import sys
 def cmd_serve(args: argparse.Namespace) -> int:
     from graft.engine.serve import ServeOptions, serve
     from graft.engine.server import PublicLimits
-    opts = ServeOptions(host=args.host, port=args.port, admin_host=args.admin_host,
+    opts = ServeOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
+                        metrics_host=args.metrics_host, admin_host=args.admin_host,
                         admin_port=None if args.no_admin else args.admin_port,
                         admin_insecure=args.admin_insecure, admin_token_file=args.admin_token_file,
                         admin_tls_cert=args.admin_tls_cert, admin_tls_key=args.admin_tls_key,
@@ -29,6 +30,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from graft.engine.config import config_from_args
     asyncio.run(serve(config_from_args(args), opts))
     return 0
+
+
+def metrics_port(value: str) -> int | None:
+    """`--metrics-port`: a port from 1 to 65535, or `public` (None: /metrics on the public port)."""
+    if value == "public":
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a port from 1 to 65535 nor `public`")
+    return port
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -53,7 +67,18 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from graft.operator.cli import main_rollout
-    return main_rollout(args.rest)
+    return main_rollout(args.rest, admission=crd_admission)
+
+
+def crd_admission(folder):
+    """`graft rollout lint`'s reviewer of manifests as the API server admits them (the dev cluster's:
+    strict fields, the CRDs' schemas and CEL rules), or None without the `devcluster` extra (the
+    operator image). Passed in from here: the operator's own modules never import the dev cluster."""
+    try:
+        from graft.devcluster.crd import Admission
+    except ImportError:
+        return None
+    return Admission.load(folder)
 
 
 def cmd_dev_cluster(args: argparse.Namespace) -> int:
@@ -72,7 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     from graft.engine.config import add_engine_args
     add_engine_args(s)
     s.add_argument("--host", default="0.0.0.0")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="the public port: the OpenAI API, /health, /ready")
+    s.add_argument("--metrics-port", type=metrics_port, default=9400, metavar="PORT|public",
+                   help="the port of /metrics alone, for Prometheus (default 9400): its series name each "
+                        "engine's revision, which tells canaries apart, so the public port answers 404 there. "
+                        "`public` serves /metrics on the public port instead, for one port: then let only /v1/* "
+                        "reach the engines from outside")
+    s.add_argument("--metrics-host", default=None, help="the metrics port's address (default: --host)")
     s.add_argument("--admin-host", default="127.0.0.1",
                    help="admin API address (default 127.0.0.1: give the pod IP, or 0.0.0.0, for the operator)")
     s.add_argument("--admin-port", type=int, default=8081)
@@ -144,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("rest", nargs=argparse.REMAINDER)
     o.set_defaults(func=cmd_operator)
 
-    r = sub.add_parser("rollout", help="watch and steer PatchRollouts (status, pause, resume, promote, abort, "
-                                       "retry, simulate); `graft rollout --help` for each", add_help=False)
+    r = sub.add_parser("rollout", help="watch and steer PatchRollouts (list, status, pause, resume, promote, "
+                                       "abort, retry, undo, history, lint, simulate); `graft rollout --help` for "
+                                       "each", add_help=False)
     r.add_argument("rest", nargs=argparse.REMAINDER)
     r.set_defaults(func=cmd_rollout)
 
@@ -175,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 def kubectl_plugin() -> int:
     """`kubectl graft ...` is `graft rollout ...`."""
     from graft.operator.cli import main_rollout
-    return int(main_rollout(sys.argv[1:]) or 0)
+    return int(main_rollout(sys.argv[1:], admission=crd_admission) or 0)
 
 
 if __name__ == "__main__":

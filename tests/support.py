@@ -60,7 +60,7 @@ def wait_for_metric(eng: EngineProcess, metric: str, ok, timeout: float = 30, **
     """Poll the engine's /metrics until `ok(value)` holds for `metric` (summed over `labels`)."""
     deadline = time.monotonic() + timeout
     while True:
-        value = metric_value(httpx.get(eng.url + "/metrics", timeout=5).text, metric, **labels)
+        value = metric_value(httpx.get(eng.metrics_url + "/metrics", timeout=5).text, metric, **labels)
         if ok(value):
             return value
         if time.monotonic() > deadline:

@@ -50,7 +50,7 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 
 def _shadow_counts(engine: EngineProcess) -> dict[str, float]:
-    text = httpx.get(engine.url + "/metrics", timeout=10).text
+    text = httpx.get(engine.metrics_url + "/metrics", timeout=10).text
     return {result: _metric(text, "graft_shadow_requests_total", result=result)
             for result in ("agree", "divergent", "error")} | {
         "seconds": _metric(text, "graft_shadow_seconds_total"),

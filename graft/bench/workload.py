@@ -22,9 +22,9 @@ prompt an earlier one sent (each class hands its prompts out in order, `Pool`), 
 first warmed with the 3-shot prefix of every BBH task the run uses: every pass finds the same
 prefixes cached, as on a long-running server.
 
-While a pass runs, the engine's /metrics is scraped every SCRAPE_EVERY_S for KV cache usage and
-fragmentation (max, and mean over the samples taken while a sequence ran), the most sequences
-running, and the preemptions during the pass.
+While a pass runs, the engine's /metrics (on its metrics port) is scraped every SCRAPE_EVERY_S for
+KV cache usage and fragmentation (max, and mean over the samples taken while a sequence ran), the
+most sequences running, and the preemptions during the pass.
 """
 from __future__ import annotations
 
@@ -155,8 +155,8 @@ def gauge_stats(samples: Sequence[Mapping[str, float]]) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def scraping(url: str, every: float = SCRAPE_EVERY_S) -> AsyncIterator[list[dict[str, float]]]:
-    """Scrape `url`/metrics every `every` seconds, once at the start and once at the end, into a list;
-    a scrape that fails is skipped (the pass goes on)."""
+    """Scrape `url`/metrics (`url`: the engine's metrics port) every `every` seconds, once at the
+    start and once at the end, into a list; a scrape that fails is skipped (the pass goes on)."""
     samples: list[dict[str, float]] = []
     stop = asyncio.Event()
 
@@ -223,25 +223,28 @@ async def warm_up(gen: LoadGenerator, prefixes: Sequence[Request]) -> None:
                 raise RuntimeError(f"the engine failed a warm-up request: {rep.errors[0].error}")
 
 
-async def measure(url: str, cfg: WorkloadConfig, requests: Mapping[str, list[Request]]
-                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Warm the engine up, then the isolation passes and the sweep points, from one set of pools."""
+async def measure(url: str, cfg: WorkloadConfig, requests: Mapping[str, list[Request]],
+                  metrics_url: str | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Warm the engine up, then the isolation passes and the sweep points, from one set of pools.
+    Requests go to `url`; the gauges are scraped from `metrics_url` (the engine's metrics port;
+    `url` when None)."""
     pools = {name: Pool(requests[name]) for name in WORKLOAD_CLASSES}
+    metrics_url = metrics_url or url
     async with LoadGenerator(url) as gen:
         await warm_up(gen, prefix_warmups(cfg))
-        passes = [await isolation_pass(gen, url, cfg, pools, phase, r)
+        passes = [await isolation_pass(gen, metrics_url, cfg, pools, phase, r)
                   for r, phase in alternation(cfg.rounds, (*WORKLOAD_CLASSES, MIXED))]
-        points = [await sweep_point(gen, url, cfg, pools, c) for c in cfg.sweep]
+        points = [await sweep_point(gen, metrics_url, cfg, pools, c) for c in cfg.sweep]
     return passes, points
 
 
-async def isolation_pass(gen: LoadGenerator, url: str, cfg: WorkloadConfig, pools: Mapping[str, Pool], phase: str,
-                         r: int) -> dict[str, Any]:
+async def isolation_pass(gen: LoadGenerator, metrics_url: str, cfg: WorkloadConfig, pools: Mapping[str, Pool],
+                         phase: str, r: int) -> dict[str, Any]:
     """One class alone, or every class at once (`phase` MIXED), each at its own concurrency."""
     names = WORKLOAD_CLASSES if phase == MIXED else (phase,)
     streams = [Stream(n, pools[n].ahead(), cfg.class_concurrency[n], cfg.class_prompts[n]) for n in names]
     load = load_average()
-    async with scraping(url) as samples:
+    async with scraping(metrics_url) as samples:
         reports = await run_streams(gen, streams, f"{phase}, round {r + 1}/{cfg.rounds}")
     for name, rep in reports.items():
         pools[name].advance(len(rep.results))
@@ -249,12 +252,12 @@ async def isolation_pass(gen: LoadGenerator, url: str, cfg: WorkloadConfig, pool
             "engine": gauge_stats(samples), "classes": {name: rep.summary() for name, rep in reports.items()}}
 
 
-async def sweep_point(gen: LoadGenerator, url: str, cfg: WorkloadConfig, pools: Mapping[str, Pool],
+async def sweep_point(gen: LoadGenerator, metrics_url: str, cfg: WorkloadConfig, pools: Mapping[str, Pool],
                       concurrency: int) -> dict[str, Any]:
     """The classes interleaved, `sweep_waves` times `concurrency` requests, closed loop."""
     batch = interleave(pools, concurrency * cfg.sweep_waves)
     load = load_average()
-    async with scraping(url) as samples:
+    async with scraping(metrics_url) as samples:
         with report.progress_bar(f"sweep, concurrency {concurrency}", len(batch)) as advance:
             rep = await gen.run(batch, concurrency, on_result=lambda _: advance(1))
     return {"concurrency": concurrency, "load_before": load, "load_after": load_average(),
@@ -335,7 +338,7 @@ def run_workload_suite(cfg: WorkloadConfig, out: Path) -> dict[str, Any]:
                    "rounds": cfg.rounds, "dtype": cfg.dtype, "knee_gain": KNEE_GAIN,
                    "engine_args": cfg.engine_args}}
     with engine(cfg.engine_args) as eng:
-        passes, points = report.plain(asyncio.run(measure(eng.url, cfg, requests)))
+        passes, points = report.plain(asyncio.run(measure(eng.url, cfg, requests, eng.metrics_url)))
     result["isolation"] = {"passes": passes, "classes": isolation_table(passes)}
     knee = find_knee([(p["concurrency"], p["summary"]["output_tok_s"]) for p in points])
     result["sweep"] = {"points": points, "knee": knee}

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import httpx
 
 from graft.devcluster.apiserver import ApiServer
-from graft.devcluster.podrunner import PodRunner
+from graft.devcluster.podrunner import Container, PodRunner
 from graft.devcluster.prometheus import PrometheusServer
 from graft.devcluster.traffic import Router, Traffic
 
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CRDS = ROOT / "crds"
 APP = {"app": "llm-engine"}
 TOKEN_SECRET = "graft-admin-token"
+METRICS_PORT = 9400     # the engines' /metrics: a port of its own, never the public 8000
 
 
 @dataclass(slots=True)
@@ -66,7 +68,8 @@ def engine_deployment(opts: ClusterOptions) -> dict[str, Any]:
                 "spec": {"containers": [{
                     "name": "engine",
                     "command": ["graft"],
-                    "args": ["serve", "--port", "8000", "--admin-port", "8081", "--enable-test-patches",
+                    "args": ["serve", "--port", "8000", "--metrics-port", str(METRICS_PORT), "--admin-port", "8081",
+                             "--enable-test-patches",
                              "--paths", "plain", "--dtype", "float32",
                              "--kv-cache-memory", opts.kv_cache_memory,
                              "--max-num-batched-tokens", str(opts.max_num_batched_tokens), "--grace", "5",
@@ -74,7 +77,9 @@ def engine_deployment(opts: ClusterOptions) -> dict[str, Any]:
                              # a second or two once its few-shot prefix is in the shadow blocks: a
                              # tenth of its time lets a busy canary compare a few requests a minute
                              "--shadow-budget", "0.1"],
-                    "ports": [{"name": "http", "containerPort": 8000}, {"name": "admin", "containerPort": 8081}],
+                    # Prometheus scrapes the port named `metrics`, as the chart's PodMonitor does
+                    "ports": [{"name": "http", "containerPort": 8000}, {"name": "metrics", "containerPort": METRICS_PORT},
+                              {"name": "admin", "containerPort": 8081}],
                     "env": [
                         {"name": "GRAFT_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": TOKEN_SECRET, "key": "token"}}},
                         {"name": "GRAFT_PATCHES", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['graft.dev/patches']"}}},
@@ -158,8 +163,7 @@ class DevCluster:
         seen: list = []
         while True:
             assert self.pods is not None and self.prometheus is not None
-            targets = sorted((f"{c.ip}:8000", {"namespace": self.namespace, "pod": c.pod})
-                             for c in self.pods.containers.values())
+            targets = scrape_targets(self.pods.containers.values(), self.namespace)
             if targets != seen:
                 self.prometheus.set_targets(targets)
                 seen = targets
@@ -241,6 +245,14 @@ class DevCluster:
 
     def traffic(self, prompts: list[str], rate: float = 3.0, max_tokens: int = 8) -> Traffic:
         return Traffic(self.router(), prompts, rate=rate, max_tokens=max_tokens)
+
+
+def scrape_targets(containers: Iterable[Container], namespace: str) -> list[tuple[str, dict[str, str]]]:
+    """What Prometheus scrapes: each pod's container port named `metrics` (a pod that names none,
+    the public port being no place for the engine's metrics, is not scraped), labelled with its
+    namespace and pod as the chart's scrape config labels them."""
+    return sorted((f"{c.ip}:{c.ports['metrics']}", {"namespace": namespace, "pod": c.pod})
+                  for c in containers if "metrics" in c.ports)
 
 
 def object_path(obj: dict[str, Any]) -> str:

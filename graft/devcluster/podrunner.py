@@ -86,6 +86,7 @@ class Container:
     env_snapshot: dict[str, str] = field(default_factory=dict)
     waiting: ContainerError | None = None   # the last start failed: why
     last_exit: int | None = None            # exit code of the previous run
+    ports: dict[str, int] = field(default_factory=dict)   # the container's named ports, as its pod declares them
 
 
 class PodRunner:
@@ -330,6 +331,8 @@ class PodRunner:
             c.waiting = e
             return
         c.waiting = None
+        c.ports = {p["name"]: int(p["containerPort"]) for p in container.get("ports") or []
+                   if p.get("name") and str(p.get("containerPort", "")).isdigit()}
         c.log_path = self.workdir / f"{c.pod}.log"
         c.env_snapshot = env
         out = open(c.log_path, "ab")

@@ -4,7 +4,7 @@ Targets come through file-based service discovery, so they can change while it r
 (``set_targets``); it can be stopped and brought back on the same port with the same data
 (``stop``/``start``/``restart``), the way a Prometheus pod restarts on its volume::
 
-    with PrometheusServer([("127.0.0.1:8000", {"pod": "engine-0"})], scrape_interval="250ms") as prom:
+    with PrometheusServer([("127.0.0.1:9400", {"pod": "engine-0"})], scrape_interval="250ms") as prom:
         PrometheusConnect(prom.url, disable_ssl=True).custom_query("rate(graft_requests_total[5s])")
 
 Prometheus is ready about 0.1 s after it starts, but its discovery manager hands targets to the

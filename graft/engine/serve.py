@@ -1,9 +1,11 @@
-"""`graft serve`: the engine, its OpenAI app and its admin app, in one process, living well in a pod.
+"""`graft serve`: the engine, its OpenAI app, its metrics app and its admin app, in one process,
+living well in a pod.
 
 SIGTERM turns the engine not-ready and stops admission, lets in-flight requests finish within the
 grace period, then exits. Every admin setting (token, trusted keys, TLS files, the spelling of
-GRAFT_PATCHES, the self-check's probe prompts) is checked before the model loads, so a mistake ends
-the process at once with a one-line reason; the patches themselves are applied once it has loaded.
+GRAFT_PATCHES, the self-check's probe prompts) and the ports are checked before the model loads, so a
+mistake ends the process at once with a one-line reason; the patches themselves are applied once it
+has loaded.
 """
 from __future__ import annotations
 
@@ -26,13 +28,13 @@ from graft.engine.config import EngineConfig
 from graft.engine.engine import LLMEngine
 from graft.engine.patches.base import parse_patch_list
 from graft.engine.patches.bundle import BundleVerifier, RevokedDigests, Revocations, parse_min_versions
-from graft.engine.server import PublicLimits, build_app
+from graft.engine.server import PublicLimits, build_app, build_metrics_app
 
 log = logging.getLogger(__name__)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: one process runs two servers and drains first."""
+    """uvicorn without its own signal handling: one process runs several servers and drains first."""
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -43,6 +45,10 @@ class _Server(uvicorn.Server):
 class ServeOptions:
     host: str = "0.0.0.0"
     port: int = 8000
+    # /metrics on a port of its own, for Prometheus: its series are labelled by revision, which
+    # the public port's clients must not read. None (`--metrics-port public`): on the public port.
+    metrics_port: int | None = 9400
+    metrics_host: str | None = None     # None: `host`
     admin_host: str = "127.0.0.1"       # only the operator calls it: not on every interface unless asked
     admin_port: int | None = 8081       # None: no admin API
     admin_insecure: bool = False
@@ -101,6 +107,31 @@ def check_admin_setup(opts: ServeOptions) -> AdminSetup:
     if opts.bundle_timeout <= 0:
         raise SystemExit("--bundle-timeout must be positive")
     return AdminSetup(token, verifier, _tls(opts))
+
+
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def check_ports(opts: ServeOptions) -> None:
+    """The metrics port is a port of its own: SystemExit with a one-line reason otherwise."""
+    if opts.metrics_port is None:
+        if opts.metrics_host is not None:
+            raise SystemExit("--metrics-host needs a metrics port of its own, not --metrics-port public")
+        return
+    if not 0 < opts.metrics_port < 65536:
+        raise SystemExit(f"--metrics-port {opts.metrics_port}: a port number from 1 to 65535, or `public`")
+    host = metrics_host(opts)
+    others = [("--port", opts.host, opts.port)]
+    if opts.admin_port is not None:
+        others.append(("--admin-port", opts.admin_host, opts.admin_port))
+    for flag, other_host, port in others:
+        if port == opts.metrics_port and (host == other_host or host in WILDCARDS or other_host in WILDCARDS):
+            raise SystemExit(f"--metrics-port {opts.metrics_port} is also {flag}: give the metrics a port of their "
+                             f"own, or --metrics-port public to serve them on the public port")
+
+
+def metrics_host(opts: ServeOptions) -> str:
+    return opts.host if opts.metrics_host is None else opts.metrics_host
 
 
 MAX_PROBE_PROMPTS = 8    # each adds a few forward passes (and its logits, kept per revision) to every self-check
@@ -176,6 +207,7 @@ def tune_interpreter() -> None:
 
 async def serve(config: EngineConfig, opts: ServeOptions) -> None:
     probe_prompts = load_probe_prompts(opts.probe_prompts or os.environ.get("GRAFT_PROBE_PROMPTS_FILE"))
+    check_ports(opts)
     admin = check_admin_setup(opts) if opts.admin_port is not None else None
     tune_interpreter()
     try:
@@ -188,7 +220,10 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> None:
                  len(engine.probe_plan.rows), engine.probe_plan.longest, engine.probe_plan.num_blocks)
     engine.start()
     model_name = opts.served_model_name or served_name(config.model)
-    apps = [(build_app(engine, model_name, opts.public), opts.host, opts.port, {})]
+    public_metrics = opts.metrics_port is None
+    apps = [(build_app(engine, model_name, opts.public, metrics=public_metrics), opts.host, opts.port, {})]
+    if not public_metrics:
+        apps.append((build_metrics_app(engine), metrics_host(opts), opts.metrics_port, {}))
     manager = None
     if admin is not None:
         from graft.engine.admin import build_admin_app
@@ -222,7 +257,8 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> None:
     tasks = [asyncio.create_task(s.serve()) for s in servers]
     watcher = asyncio.create_task(shutdown())
     admin_url = f"{'https' if admin.ssl else 'http'}://{opts.admin_host}:{opts.admin_port}" if admin else None
-    print(f"graft engine serving {model_name} on http://{opts.host}:{opts.port}"
+    metrics_url = "the public port" if public_metrics else f"http://{metrics_host(opts)}:{opts.metrics_port}/metrics"
+    print(f"graft engine serving {model_name} on http://{opts.host}:{opts.port}, metrics on {metrics_url}"
           + (f", admin on {admin_url}" if admin_url else ""), flush=True)
     # the self-check's reference for the running revision, so the first apply probes the new table alone
     warm = asyncio.create_task(manager.warm_up()) if manager is not None else None

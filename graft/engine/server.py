@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP front of the engine (FastAPI), plus health, readiness and metrics.
+"""The OpenAI-compatible HTTP front of the engine (FastAPI), plus health and readiness; and the
+metrics app, which answers /metrics on a port of its own (`build_metrics_app`).
 
 Every error is an OpenAI-style JSON body `{"error": {"message", "type", "param", "code"}}`: 400 for
 anything wrong with the request (including what FastAPI would answer 422; the OpenAPI schema says
@@ -27,7 +28,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from jinja2.exceptions import TemplateError
 from pydantic import BaseModel
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from graft.engine.engine import SHUTDOWN, EngineDraining, InvalidPrompt, LLMEngine, RequestHandle
 from graft.engine.protocol import (PRIORITY_MAX, PRIORITY_MIN, ChatCompletionRequest, CompletionRequest,
@@ -553,12 +556,15 @@ def _openapi_saying_400(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
-def build_app(engine: LLMEngine, model_name: str, limits: PublicLimits | None = None) -> FastAPI:
-    """The inference app: /v1/*, /health, /ready, /metrics. Routes only: the serving classes answer.
+def build_app(engine: LLMEngine, model_name: str, limits: PublicLimits | None = None, *,
+              metrics: bool = False) -> FastAPI:
+    """The inference app: /v1/*, /health, /ready (and /metrics with `metrics`, which
+    `--metrics-port public` asks for). Routes only: the serving classes answer.
 
     Nothing here tells a client which patches the engine runs (a client that could tell canaries
     from stable pods could tilt their comparison): /health and /ready say only whether it serves;
-    the revision is on the admin API and in the metrics Prometheus scrapes.
+    the revision is on the admin API and in the metrics, which `build_metrics_app` serves on a port
+    of their own for Prometheus (without `metrics`, a GET of /metrics here is a 404).
     """
     limits = limits or PublicLimits()
     app = FastAPI(title="graft engine", docs_url=None, redoc_url=None)
@@ -601,8 +607,29 @@ def build_app(engine: LLMEngine, model_name: str, limits: PublicLimits | None = 
             return JSONResponse({"status": "awaiting-patches"}, status_code=503)
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+    if metrics:
+        @app.get("/metrics")
+        async def exposition() -> Response:
+            return metrics_response(engine)
 
     return app
+
+
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4"
+
+
+def metrics_response(engine: LLMEngine) -> Response:
+    return PlainTextResponse(engine.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+def build_metrics_app(engine: LLMEngine) -> Starlette:
+    """/metrics alone, for the port Prometheus scrapes (`--metrics-port`, 9400 by default).
+
+    Every series there carries the engine's `revision`, which tells canaries from stable pods, so
+    it is kept off the public port: that port's clients are not the ones who may know. Anything
+    else on this port is a 404.
+    """
+    async def exposition(request: Request) -> Response:
+        return metrics_response(engine)
+
+    return Starlette(routes=[Route("/metrics", exposition, methods=["GET"])])

@@ -280,7 +280,7 @@ def test_only_the_operator_may_reach_the_engine_admin_port(chart, values):
     assert selects(policy["spec"]["podSelector"]["matchLabels"], engine_labels)
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     by_port = {p["port"]: rule for rule in policy["spec"]["ingress"] for p in rule["ports"]}
-    assert set(by_port) == {"http", "admin"}
+    assert set(by_port) == {"http", "metrics", "admin"}
     # the serving port stays open to everyone
     assert "from" not in by_port["http"]
     (source,) = by_port["admin"]["from"]
@@ -559,12 +559,12 @@ def test_engine_pods_serve_on_8000_with_a_gpu_and_health_probes(chart):
     assert "/models" in {m["mountPath"] for m in engine["volumeMounts"]}
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
     ports = {p["name"]: p["containerPort"] for p in engine["ports"]}
-    assert ports == {"http": 8000, "admin": 8081}
+    assert ports == {"http": 8000, "metrics": 9400, "admin": 8081}
     assert engine["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert engine["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert engine["startupProbe"]["httpGet"]["path"] == "/health"
     annotations = pod_template(deployment)["metadata"]["annotations"]
-    assert annotations["prometheus.io/port"] == str(ports["http"]) and annotations["prometheus.io/path"] == "/metrics"
+    assert annotations["prometheus.io/port"] == str(ports["metrics"]) and annotations["prometheus.io/path"] == "/metrics"
     assert deployment["spec"]["replicas"] == 3
     service = one(objs, "Service", "graft-engine")
     assert selects(service["spec"]["selector"], pod_template(deployment)["metadata"]["labels"])
@@ -615,7 +615,45 @@ def test_pod_monitor_scrapes_the_engines_metrics_port(chart):
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     ports = {p["name"]: p["containerPort"] for p in containers(deployment)[0]["ports"]}
-    assert ports[endpoint["port"]] == 8000 and endpoint["path"] == "/metrics"
+    assert endpoint["port"] == "metrics" and ports["metrics"] == 9400 and endpoint["path"] == "/metrics"
+
+
+METRICS_FROM = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+@pytest.mark.parametrize("values", [PROMETHEUS_OPERATOR, SETUPS["everything"]], ids=["prometheus-operator", "everything"])
+def test_engine_pods_serve_metrics_on_a_port_of_their_own_which_the_monitoring_scrapes(chart, values):
+    """/metrics is labelled by revision, which tells canaries apart: the engine serves it on its
+    container port named `metrics`, apart from the public port; the PodMonitor and the scrape
+    annotations go there, and no Service (what clients reach) exposes it."""
+    from graft.cli import build_parser
+
+    objs = render(chart, values)
+    deployment = one(objs, "Deployment")
+    (engine,) = containers(deployment)
+    ports = {p["name"]: p["containerPort"] for p in engine["ports"]}
+    args = build_parser().parse_known_args(engine["args"])[0]
+    assert args.metrics_port == ports["metrics"] and args.port == ports["http"] != ports["metrics"]
+    assert args.metrics_host is None and args.host == "0.0.0.0"    # on the pod IP, where Prometheus scrapes
+    annotations = pod_template(deployment)["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == str(ports["metrics"])
+    (endpoint,) = monitor_of(objs, "engine")["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    engine_services = [svc for svc in of_kind(objs, "Service")
+                       if svc["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"]
+    assert len(engine_services) >= 1
+    for svc in engine_services:
+        assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"], svc["metadata"]["name"]
+
+
+def test_the_metrics_port_is_open_to_the_peers_named_and_to_anyone_by_default(chart):
+    def metrics_rule(values):
+        policy = one(render(chart, values), "NetworkPolicy")
+        (rule,) = [r for r in policy["spec"]["ingress"] if {"port": "metrics", "protocol": "TCP"} in r["ports"]]
+        assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+        return rule
+    assert "from" not in metrics_rule(ENGINE)
+    assert metrics_rule(merged(ENGINE, {"engine": {"networkPolicy": {"metricsFrom": METRICS_FROM}}}))["from"] == METRICS_FROM
 
 
 def test_pod_monitor_scrapes_the_operators_own_metrics(chart):

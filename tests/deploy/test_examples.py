@@ -162,8 +162,12 @@ def test_engine_example_keeps_the_engine_contract():
     assert deployment["spec"]["replicas"] == 3
     template = pod_template(deployment)
     (engine,) = containers(deployment)
-    assert engine["args"][:5] == ["serve", "--host=0.0.0.0", "--port=8000", "--admin-host=$(POD_IP)",
-                                  "--admin-port=8081"]
+    assert engine["args"][:6] == ["serve", "--host=0.0.0.0", "--port=8000", "--admin-host=$(POD_IP)",
+                                  "--admin-port=8081", "--metrics-port=9400"]
+    # /metrics on the port named `metrics`, where the scrape annotations point, apart from the public port
+    ports = {p["name"]: p["containerPort"] for p in engine["ports"]}
+    assert ports == {"http": 8000, "metrics": 9400, "admin": 8081}
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
     env = env_of(engine)
     # the admin API listens on the pod IP only (its default is loopback, out of the operator's reach)
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"

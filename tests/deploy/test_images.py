@@ -85,7 +85,7 @@ def test_engine_image_is_cuda_with_the_engine_and_its_health_check():
     final = instructions(path)[-1]
     (healthcheck,) = args_of(final, "HEALTHCHECK")
     assert "127.0.0.1:8000/health'" in healthcheck
-    assert args_of(final, "EXPOSE") == ["8000 8081"]
+    assert args_of(final, "EXPOSE") == ["8000 9400 8081"]
     # Triton builds its launcher at run time; the read-only root leaves only /tmp for caches
     assert "gcc" in " ".join(args_of(final, "RUN"))
     env = " ".join(args_of(final, "ENV"))
@@ -101,8 +101,8 @@ def test_engine_image_serves_every_port_it_exposes_beyond_loopback():
     args, unknown = build_parser().parse_known_args(json.loads(args_of(final, "CMD")[0]))
     assert not unknown
     exposed = {int(p) for p in args_of(final, "EXPOSE")[0].split()}
-    assert exposed == {args.port, args.admin_port}
-    assert args.host == args.admin_host == "0.0.0.0"
+    assert exposed == {args.port, args.metrics_port, args.admin_port}
+    assert args.host == args.admin_host == "0.0.0.0" and args.metrics_host in (None, "0.0.0.0")
 
 
 def ignored(path: str, patterns: list[str]) -> bool:

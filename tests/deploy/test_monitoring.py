@@ -152,9 +152,11 @@ def test_scrape_config_finds_each_engine_pod_once_on_its_metrics_port():
                   + discovered_targets(engine, "llm", "llm-engine-b", "192.0.2.11", phase="Pending")
                   + discovered_targets(other, "llm", "postgres-0", "192.0.2.12"))
     targets = [t for t in (relabel(d, job["relabel_configs"]) for d in discovered) if t is not None]
-    # one pod, two container ports: the same target twice, which Prometheus merges
+    # one pod, three container ports: the same target, on the metrics port, three times (Prometheus merges them)
+    metrics = next(p["containerPort"] for c in engine["spec"]["containers"] for p in c["ports"] if p["name"] == "metrics")
+    assert metrics != 8000 and len(targets) == 3
     assert {json.dumps(t, sort_keys=True) for t in targets} == {json.dumps({
-        "__address__": "192.0.2.10:8000", "__metrics_path__": "/metrics", "instance": "192.0.2.10:8000",
+        "__address__": f"192.0.2.10:{metrics}", "__metrics_path__": "/metrics", "instance": f"192.0.2.10:{metrics}",
         "namespace": "llm", "pod": "llm-engine-a", "track": "stable"}, sort_keys=True)}
 
 

@@ -67,11 +67,10 @@ def engine_pod(template: dict, port: int) -> dict:
     pod = {"metadata": copy.deepcopy(template["metadata"]),
            "spec": {"containers": [{"name": c["name"], "ports": copy.deepcopy(c["ports"])}
                                    for c in template["spec"]["containers"]]}}
-    http = pod["metadata"]["annotations"]["prometheus.io/port"]
+    (metrics,) = [p for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "metrics"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(metrics["containerPort"])
     pod["metadata"]["annotations"]["prometheus.io/port"] = str(port)
-    for p in pod["spec"]["containers"][0]["ports"]:
-        if str(p["containerPort"]) == http:
-            p["containerPort"] = port
+    metrics["containerPort"] = port
     return pod
 
 
@@ -119,7 +118,7 @@ async def test_prometheus_scrapes_the_chart_engines_with_the_shipped_job(chart, 
                 active = await until(scraped, "Prometheus to scrape the engine pod")
             except AssertionError as e:
                 raise AssertionError(f"{e}; Prometheus said:\n{log.read_text()[-3000:]}") from None
-            # one target for the pod's two ports, none for the pending pod or the database
+            # one target for the pod's three ports (on its metrics port), none for the pending pod or the database
             assert [t["labels"] for t in active] == [{
                 "instance": f"127.0.0.1:{port}", "job": job["job_name"], "namespace": "llm",
                 "pod": "graft-engine-a", "track": "stable"}]

@@ -113,3 +113,20 @@ async def test_traffic_sends_bbh_prompts_through_the_router_at_its_rate(bbh):
     assert {r["prompt"] for r in received} <= set(prompts) and len({r["prompt"] for r in received}) > 1
     assert all(r["prompt"].endswith("A: Let's think step by step.") for r in received)
     assert traffic.stats.failed() == [] and set(traffic.stats.by_pod()) == {"engine-0"}
+
+
+def test_prometheus_scrapes_each_engine_on_its_metrics_port_alone(tmp_path):
+    """The engine pods serve /metrics on the container port named `metrics` (the public port answers
+    404 there), and the dev cluster's Prometheus scrapes that port, as the chart's PodMonitor does;
+    a pod that names no such port (a trap pod, a database) is not scraped."""
+    from graft.devcluster.podrunner import Container
+
+    (engine,) = cluster.engine_deployment(cluster.ClusterOptions(workdir=tmp_path))["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in engine["ports"]}
+    args = build_parser().parse_known_args(engine["args"])[0]
+    assert args.metrics_port == ports["metrics"] == cluster.METRICS_PORT != args.port == ports["http"]
+    engines = [Container("llm-engine-a", "127.0.0.2", ports=ports), Container("llm-engine-b", "127.0.0.3", ports=ports)]
+    trap = Container("trap", "127.0.0.4", ports={"http": 8000, "admin": 8081})
+    assert cluster.scrape_targets([trap, *engines[::-1]], "llm") == [
+        (f"127.0.0.2:{ports['metrics']}", {"namespace": "llm", "pod": "llm-engine-a"}),
+        (f"127.0.0.3:{ports['metrics']}", {"namespace": "llm", "pod": "llm-engine-b"})]

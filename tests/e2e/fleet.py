@@ -44,12 +44,13 @@ def canary_pods(pods: int, weight: int) -> int:
     return min(pods, max(1, math.ceil(pods * weight / 100)))
 
 
-def http_port(pod: dict[str, Any]) -> int:
+def metrics_port(pod: dict[str, Any]) -> int:
+    """The engine's container port named `metrics`, where its /metrics is served (never the public port)."""
     for container in pod["spec"]["containers"]:
         for port in container.get("ports") or []:
-            if port.get("name") == "http":
+            if port.get("name") == "metrics":
                 return int(port["containerPort"])
-    return 8000
+    return 9400
 
 
 class Fleet:
@@ -167,7 +168,7 @@ class Fleet:
 
     async def engine_metric(self, pod: dict[str, Any], metric: str, **labels: str) -> float:
         """The sum of an engine's own samples of `metric` matching `labels` (from its /metrics)."""
-        reply = await self.http.get(f"http://{pod['status']['podIP']}:{http_port(pod)}/metrics")
+        reply = await self.http.get(f"http://{pod['status']['podIP']}:{metrics_port(pod)}/metrics")
         reply.raise_for_status()
         total = 0.0
         for line in reply.text.splitlines():

@@ -61,7 +61,7 @@ def greedy(eng, prompt: str) -> str:
 
 
 def metrics(eng) -> str:
-    return httpx.get(eng.url + "/metrics", timeout=10).text
+    return httpx.get(eng.metrics_url + "/metrics", timeout=10).text
 
 
 def series(text: str, metric: str, **labels: str) -> list[str]:

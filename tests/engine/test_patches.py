@@ -57,12 +57,12 @@ def test_each_321_patch_keeps_greedy_outputs_and_moves_the_revision(engine, name
     assert r.json()["applyMs"] >= 0
     try:
         assert greedy(engine.url, PROMPT) == before
-        text = httpx.get(engine.url + "/metrics").text
+        text = httpx.get(engine.metrics_url + "/metrics").text
         assert metric_value(text, "graft_patch_info", name=name, version="3.2.1") == 1
         assert metric_value(text, "graft_requests_total", revision=f"{name}@3.2.1") >= 1
     finally:
         assert revert(engine, name).json()["revision"] == "base"
-    text = httpx.get(engine.url + "/metrics").text
+    text = httpx.get(engine.metrics_url + "/metrics").text
     assert f'graft_patch_info{{digest="builtin",name="{name}"' not in text
     assert greedy(engine.url, PROMPT) == before
 
@@ -100,7 +100,7 @@ def test_fault_patch_injects_errors_into_the_canary_revision(engine):
     finally:
         revert(engine, "fault")
     assert codes.count(500) >= 5 and codes.count(200) >= 5, codes
-    text = httpx.get(engine.url + "/metrics").text
+    text = httpx.get(engine.metrics_url + "/metrics").text
     assert metric_value(text, "graft_requests_total", revision="fault@1", status="error") == codes.count(500)
 
 
@@ -164,7 +164,7 @@ def test_swaps_under_load_fail_no_request_and_change_no_token(engine):
     assert set(codes) == {200}, {c: codes.count(c) for c in set(codes)}
     wrong = [(prompt, text) for prompt, _, text in results if text not in known[prompt]]
     assert not wrong, f"{len(wrong)} of {len(results)} answers match no revision: {wrong[:3]}; known: {known}"
-    text = httpx.get(engine.url + "/metrics").text
+    text = httpx.get(engine.metrics_url + "/metrics").text
     assert metric_value(text, "graft_patch_apply_seconds_count", op="apply") >= SWAP_CYCLES
 
 
@@ -172,7 +172,7 @@ def test_an_engine_restarted_with_graft_patches_comes_back_patched(tmp_path):
     eng = start_engine(tmp_path, env={"GRAFT_PATCHES": "kv-align@3.2.1,sync-free@3.2.1"})
     try:
         assert revision(eng) == "kv-align@3.2.1,sync-free@3.2.1"
-        text = httpx.get(eng.url + "/metrics").text
+        text = httpx.get(eng.metrics_url + "/metrics").text
         assert metric_value(text, "graft_patch_info", name="sync-free") == 1
         assert metric_value(text, "graft_engine_revision_info", revision="kv-align@3.2.1,sync-free@3.2.1") == 1
     finally:

@@ -5,7 +5,8 @@
 - a text prompt that cannot fit is refused before it is tokenized, a token-id prompt before it is walked;
 - a control token's spelling in a client's text is text: a chat message cannot forge a turn;
 - unknown fields are refused, a few harmless client defaults excepted; stop strings are bounded;
-- /health and /ready do not tell which patches a pod runs;
+- /health and /ready do not tell which patches a pod runs, and /metrics, whose series do, is not
+  on the public port: a port of its own serves it;
 - a client's `priority` is clamped into the band, and the bound it gives holds for any flood: no
   request that arrived (band + 1) ageing periods after another is admitted before it.
 """
@@ -211,8 +212,24 @@ def test_health_and_ready_tell_no_revision(engine):
         assert set(body) == {"status"}, body
 
 
+@pytest.mark.slow
+def test_the_revision_labelled_metrics_are_on_their_own_port_and_not_the_public_one(engine):
+    """The series of /metrics are labelled by revision, which tells canaries apart: a client of the
+    public port gets a 404 there, and the metrics port serves them and nothing else."""
+    assert engine.metrics_port is not None and engine.metrics_port != engine.port
+    complete(engine.url, prompt="Hello")    # counted under its revision, whether it ends in time or not
+    public = httpx.get(engine.url + "/metrics", timeout=5)
+    assert public.status_code == 404 and "revision" not in public.text and "graft_" not in public.text
+    reply = httpx.get(engine.metrics_url + "/metrics", timeout=10)
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+    assert metric_value(reply.text, "graft_engine_revision_info", revision="base") == 1
+    assert metric_value(reply.text, "graft_requests_total", revision="base") >= 1
+    for path in ("/v1/models", "/health", "/ready", "/admin/patches"):
+        assert httpx.get(engine.metrics_url + path, timeout=5).status_code == 404, path
+
+
 def _statuses(engine) -> dict[str, float]:
-    text = httpx.get(engine.url + "/metrics", timeout=10).text
+    text = httpx.get(engine.metrics_url + "/metrics", timeout=10).text
     return {s: metric_value(text, "graft_requests_total", status=s) for s in ("ok", "error", "abandoned", "timeout")}
 
 

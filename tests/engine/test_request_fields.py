@@ -55,7 +55,7 @@ def test_top_k_one_samples_the_greedy_token_whatever_the_temperature(engine):
 
 
 def metric(engine, name: str) -> float:
-    return metric_value(httpx.get(engine.url + "/metrics", timeout=10).text, name)
+    return metric_value(httpx.get(engine.metrics_url + "/metrics", timeout=10).text, name)
 
 
 def test_a_prompt_the_kv_cache_cannot_hold_is_a_400_naming_the_prompt(engine):

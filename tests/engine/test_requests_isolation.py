@@ -228,7 +228,7 @@ def test_original_poison_bodies_beside_live_traffic_fail_nobody_else(tmp_path):
         ordinary = [(code, text) for poison, code, text in results if not poison]
         assert all(code == 200 and '"error"' not in text for code, text in ordinary), \
             [t for c, t in ordinary if c != 200 or '"error"' in t][:3]
-        text = httpx.get(eng.url + "/metrics").text
+        text = httpx.get(eng.metrics_url + "/metrics").text
         assert metric_value(text, "graft_requests_total", status="error") == 0
         assert metric_value(text, "graft_requests_total", status="ok") == len(ordinary)
     finally:

@@ -76,8 +76,8 @@ def test_a_live_engine_keeps_only_the_current_revisions_series(tmp_path):
                 assert httpx.post(eng.url + "/v1/completions", json=body, timeout=60).status_code == 200
                 assert admin.delete(f"/admin/patches/{patch}").status_code == 200
         assert httpx.post(eng.url + "/v1/completions", json=body, timeout=60).status_code == 200
-        httpx.get(eng.url + "/metrics")
-        text = httpx.get(eng.url + "/metrics").text
+        httpx.get(eng.metrics_url + "/metrics")
+        text = httpx.get(eng.metrics_url + "/metrics").text
     finally:
         eng.stop()
     revisions = {line.split('revision="')[1].split('"')[0] for line in text.splitlines()

@@ -100,7 +100,7 @@ def test_non_finite_numbers_are_refused(engine, literal, param):
 
 def test_a_poisoned_request_does_not_fail_a_stream_in_the_same_batch(engine):
     """seed 2**64 once reached the step loop and failed every request of its step with a 500."""
-    before = metric_value(httpx.get(engine.url + "/metrics").text, "graft_requests_total", status="error")
+    before = metric_value(httpx.get(engine.metrics_url + "/metrics").text, "graft_requests_total", status="error")
     body = completion(prompt="Count: 1, 2, 3,", max_tokens=40, ignore_eos=True, stream=True, temperature=0)
     started, lines = threading.Event(), []
 
@@ -122,7 +122,7 @@ def test_a_poisoned_request_does_not_fail_a_stream_in_the_same_batch(engine):
     events = sse_events(lines)
     assert lines[-1] == "data: [DONE]" and not any("error" in e for e in events)
     assert events[-1]["choices"][0]["finish_reason"] == "length"
-    after = metric_value(httpx.get(engine.url + "/metrics").text, "graft_requests_total", status="error")
+    after = metric_value(httpx.get(engine.metrics_url + "/metrics").text, "graft_requests_total", status="error")
     assert after == before
 
 

@@ -87,7 +87,7 @@ def test_short_request_is_not_stalled_by_a_long_prefill(engine):
     # the short request is sent only once the long prompt's prefill is under way (an observed state,
     # not a sleep that a busy machine could make too short)
     deadline = time.monotonic() + 60
-    while metric_value(httpx.get(engine.url + "/metrics").text, "graft_num_requests_running") < 1:
+    while metric_value(httpx.get(engine.metrics_url + "/metrics").text, "graft_num_requests_running") < 1:
         assert time.monotonic() < deadline, "the long request never started"
         time.sleep(0.01)
     short = threading.Thread(target=stream, args=("short", "The capital of France is"))
@@ -136,7 +136,7 @@ def test_a_client_that_hangs_up_frees_its_blocks_and_is_counted_abandoned(engine
     """A hung-up request is neither `ok` nor `error`: `abandoned`, the client's doing, which canary
     analysis counts neither as a failure nor as an answer."""
     def outcomes() -> dict[str, float]:
-        text = httpx.get(engine.url + "/metrics").text
+        text = httpx.get(engine.metrics_url + "/metrics").text
         return {s: metric_value(text, "graft_requests_total", status=s) for s in ("ok", "error", "abandoned")}
     before = outcomes()
     body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 3000, "ignore_eos": True, "stream": True}
@@ -146,7 +146,7 @@ def test_a_client_that_hangs_up_frees_its_blocks_and_is_counted_abandoned(engine
                 break
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        text = httpx.get(engine.url + "/metrics").text
+        text = httpx.get(engine.metrics_url + "/metrics").text
         if metric_value(text, "graft_num_requests_running") == 0 and metric_value(text, "graft_kv_cache_usage_ratio") == 0:
             break
         time.sleep(0.2)
@@ -161,7 +161,7 @@ def test_health_ready_models_and_metrics(engine):
     assert httpx.get(engine.url + "/ready").status_code == 200
     assert httpx.get(engine.url + "/v1/models").json()["data"][0]["id"] == MODEL
     chat(engine.url, "Hi", max_tokens=2)
-    text = httpx.get(engine.url + "/metrics").text
+    text = httpx.get(engine.metrics_url + "/metrics").text
     assert metric_value(text, "graft_requests_total", revision="base", status="ok") >= 1
     for name in ("graft_request_duration_seconds_bucket", "graft_time_to_first_token_seconds_bucket",
                  "graft_prompt_tokens_total", "graft_generation_tokens_total", "graft_kv_cache_usage_ratio",
@@ -187,7 +187,7 @@ def test_memory_stays_flat_across_five_hundred_requests(engine):
     before = proc.memory_info().rss
     assert asyncio.run(burst(500)) == 500
     after = proc.memory_info().rss
-    text = httpx.get(engine.url + "/metrics").text
+    text = httpx.get(engine.metrics_url + "/metrics").text
     assert metric_value(text, "graft_kv_cache_usage_ratio") == 0
     assert metric_value(text, "graft_num_requests_running") == 0
     assert after - before < 48 << 20, f"RSS grew by {(after - before) >> 20} MiB"
@@ -207,7 +207,7 @@ def test_overload_answers_429_with_retry_after(tmp_path):
         rejected = next(r for r in responses if r.status_code == 429)
         assert int(rejected.headers["retry-after"]) >= 1
         assert rejected.json()["error"]["type"] == "rate_limit_error"
-        text = httpx.get(eng.url + "/metrics").text
+        text = httpx.get(eng.metrics_url + "/metrics").text
         assert metric_value(text, "graft_requests_total", status="rejected") == codes.count(429)
     finally:
         eng.stop()
