@@ -36,7 +36,7 @@ TEST_WORKERS ?= 2
 # import which): under a second, and no cache left in the tree.
 test: setup prometheus
 	$(VENV)/bin/lint-imports --no-cache
-	TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+	TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -m "not slow and not e2e"
