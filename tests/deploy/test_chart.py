@@ -1,6 +1,6 @@
 """The Helm chart: it lints, renders valid Kubernetes objects for every supported setup, ships the
-CRDs from crds/ unchanged, grants the operator exactly the API calls it makes, and locks down
-every pod it runs."""
+CRDs of crds/ unchanged (graft's own as templates, so that upgrades apply them), grants the
+operator exactly the API calls it makes, and locks down every pod it runs."""
 from __future__ import annotations
 
 import base64
@@ -15,8 +15,8 @@ import yaml
 from graft.operator.settings import OperatorSettings
 
 from tests.deploy.manifests import (CHART, CRDS, DEPLOY, NAMESPACE, RELEASE, containers, crd_errors,
-                                    env_of, k8s_errors, load_docs, notes, of_kind, one, pod_template,
-                                    render, selects, validation_errors)
+                                    env_of, k8s_errors, load_docs, load_file, notes, of_kind, one,
+                                    pod_template, render, selects, validation_errors)
 
 GATEWAY_PARENT = {"name": "inference", "namespace": "gateway"}
 WATCHED = ["llm", "llm-canary"]
@@ -113,44 +113,95 @@ def test_rendered_objects_are_checked_for_real(crds):
     ({"adminTLS": {"existingSecret": "engine-admin-tls"}}, "needs adminTLS.serverName"),
     ({"adminTLS": {"certManager": {"duration": "90 days"}}}, "/adminTLS/certManager/duration"),
     (merged(ENGINE, {"engine": {"bundles": {"trustedKeys": {"configMap": "keys"}}}}), "needs both configMap and keys"),
+    ({"crds": {"instal": False}}, "instal"),
 ], ids=["scope", "typo", "patch-format", "namespace-name", "no-replicas", "watch-cluster",
         "gateway-no-engine", "gateway-no-parent", "podmonitor-no-selector", "no-service-account",
         "token-in-values", "token-two-sources", "tls-two-sources", "tls-cert-manager-no-engine",
-        "tls-secret-no-server-name", "tls-bad-duration", "trusted-keys-without-keys"])
+        "tls-secret-no-server-name", "tls-bad-duration", "trusted-keys-without-keys", "crds-typo"])
 def test_bad_values_are_refused_with_a_reason(chart, values, complaint):
     with pytest.raises((helm.HelmValuesError, helm.HelmRenderError)) as err:
         render(chart, values)
     assert complaint in str(err.value)
 
 
-# CRDs: one source, crds/, shipped as it is
+# CRDs: one source, crds/, shipped as it is; graft's own rendered as templates so upgrades update them
 
-def test_chart_ships_the_crds_of_crds_dir_byte_for_byte(chart):
-    source = {p.name: p.read_text(encoding="utf-8") for p in CRDS.glob("*.yaml")}
-    shipped = {c["name"].removeprefix("crds/"): c["data"] for c in chart.crds}
-    assert {"patchrollout.yaml", "kopf-peering.yaml"} <= set(source)
-    assert shipped == source
+KEEP = {"helm.sh/resource-policy": "keep"}
+
+
+def source_crds() -> dict[str, dict]:
+    """Every CRD under crds/, by name."""
+    return {crd["metadata"]["name"]: crd for path in sorted(CRDS.glob("*.yaml")) for crd in load_file(path)}
+
+
+def rendered_crds(chart, values=None) -> dict[str, dict]:
+    return {crd["metadata"]["name"]: crd for crd in of_kind(render(chart, values), "CustomResourceDefinition")}
+
+
+def helm_crds(chart) -> dict[str, dict]:
+    """The CRDs of the chart's crds/ folder, which Helm installs once and never upgrades."""
+    return {crd["metadata"]["name"]: crd for f in chart.crds for crd in load_docs(f["data"])}
+
+
+def without_keep(crd: dict) -> dict:
+    crd = copy.deepcopy(crd)
+    annotations = crd["metadata"].pop("annotations")
+    assert annotations == KEEP, annotations
+    return crd
+
+
+def test_chart_renders_every_crd_of_crds_dir_with_the_keep_policy(chart):
+    source, rendered, by_helm = source_crds(), rendered_crds(chart), helm_crds(chart)
+    assert {"patchrollouts.graft.dev", "patchfleets.graft.dev", "patchanalysistemplates.graft.dev",
+            "clusterkopfpeerings.kopf.dev"} <= set(source)
+    # each CRD of crds/ comes one way only: rendered, or kopf's peering CRDs from the chart's crds/
+    assert not set(rendered) & set(by_helm)
+    assert {name: without_keep(crd) for name, crd in rendered.items()} | by_helm == source
+    assert {crd["spec"]["group"] for crd in rendered.values()} == {"graft.dev"}
+    assert {crd["spec"]["group"] for crd in by_helm.values()} == {"kopf.dev"}
+
+
+def test_the_chart_crds_folder_holds_only_kopfs_peering_crds_byte_for_byte(chart):
+    # the chart renders its own peering objects: Helm must know their kinds before it builds the
+    # release's manifest, which only the crds/ folder gives; kopf's definitions never change
+    assert {c["name"]: c["data"] for c in chart.crds} == {
+        "crds/kopf-peering.yaml": (CRDS / "kopf-peering.yaml").read_text(encoding="utf-8")}
+
+
+@pytest.mark.parametrize("values", [{"crds": {"install": False}}, {"crds": {"install": False, "keep": False}}],
+                         ids=["install-off", "install-and-keep-off"])
+def test_crds_install_false_renders_no_crd(chart, values):
+    assert rendered_crds(chart, values) == {}
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
+    assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2]
+
+
+def test_crds_keep_false_renders_the_crds_as_they_are(chart):
+    ours = {name: crd for name, crd in source_crds().items() if crd["spec"]["group"] == "graft.dev"}
+    assert ours and rendered_crds(chart, {"crds": {"keep": False}}) == ours
 
 
 def test_shipped_crds_are_valid_definitions(chart):
-    for crd_file in chart.crds:
-        for crd in load_docs(crd_file["data"]):
-            assert crd["kind"] == "CustomResourceDefinition"
-            assert not k8s_errors(crd), (crd_file["name"], k8s_errors(crd))
+    for name, crd in (helm_crds(chart) | rendered_crds(chart)).items():
+        assert crd["kind"] == "CustomResourceDefinition"
+        assert not k8s_errors(crd), (name, k8s_errors(crd))
 
 
-def test_packaged_chart_carries_the_linked_files(tmp_path):
+def test_packaged_chart_carries_the_linked_files(chart, tmp_path):
     archive = helm.package(CHART, destination=tmp_path)
     with tarfile.open(archive) as tar:
         members = {m.name: m for m in tar.getmembers()}
         def text(name):
             return tar.extractfile(members[name]).read().decode()
         for crd in CRDS.glob("*.yaml"):
-            assert text(f"graft/crds/{crd.name}") == crd.read_text(encoding="utf-8")
+            assert text(f"graft/files/crds/{crd.name}") == crd.read_text(encoding="utf-8")
+        assert {m for m in members if m.startswith("graft/crds/")} == {"graft/crds/kopf-peering.yaml"}
+        assert text("graft/crds/kopf-peering.yaml") == (CRDS / "kopf-peering.yaml").read_text(encoding="utf-8")
         assert text("graft/files/prometheus-rule.yaml") == (DEPLOY / "prometheus" / "prometheus-rule.yaml").read_text()
         assert text("graft/files/graft-dashboard.json") == (DEPLOY / "grafana" / "graft-dashboard.json").read_text()
     with helm.Chart.load(archive) as packaged:
         assert one(render(packaged, PROMETHEUS_OPERATOR), "PrometheusRule")["spec"]["groups"]
+        assert rendered_crds(packaged) == rendered_crds(chart)
 
 
 def test_client_dry_run_install_accepts_the_chart(tmp_path):
