@@ -14,7 +14,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from graft.api import digest_of
+from graft.api import Reason, digest_of
 from graft.operator.kube import Kube, configmap_path
 from graft.operator.problems import BundleError
 from graft.rollout.observation import Problem
@@ -24,7 +24,7 @@ from graft.rollout.spec import PatchSpec
 def verify(source: str, pinned: str, where: str) -> None:
     actual = digest_of(source)
     if not hmac.compare_digest(actual, pinned.lower()):
-        raise BundleError(Problem("DigestMismatch", f"{where} has digest {actual}, but the rollout pins "
+        raise BundleError(Problem(Reason.DIGEST_MISMATCH, f"{where} has digest {actual}, but the rollout pins "
                                                     f"{pinned}; refusing to send it", permanent=True))
 
 
@@ -36,10 +36,10 @@ async def load_source(kube: Kube, namespace: str, patch: PatchSpec) -> dict[str,
     where = f"ConfigMap {namespace}/{src.config_map}"
     cm = await kube.get(configmap_path(namespace, src.config_map))
     if cm is None:
-        raise BundleError(Problem("BundleMissing", f"{where} not found"))
+        raise BundleError(Problem(Reason.BUNDLE_MISSING, f"{where} not found"))
     data = cm.get("data") or {}
     if src.key not in data:
-        raise BundleError(Problem("BundleMissing", f"{where} has no key {src.key!r} "
+        raise BundleError(Problem(Reason.BUNDLE_MISSING, f"{where} has no key {src.key!r} "
                                                    f"(keys: {', '.join(sorted(data)) or 'none'})"))
     source = data[src.key]
     verify(source, src.digest, f"{where} key {src.key}")
@@ -56,5 +56,5 @@ def _check_expiry(signature: str, where: str) -> None:
     expires = rest.partition(":")[0]
     if form == "v2" and expires.isdigit() and int(expires) <= time.time():
         when = datetime.fromtimestamp(int(expires), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        raise BundleError(Problem("SignatureExpired", f"{where} expired at {when}; sign the bundle again with "
+        raise BundleError(Problem(Reason.SIGNATURE_EXPIRED, f"{where} expired at {when}; sign the bundle again with "
                                                       "`graft patch sign` (or `graft patch pack --key`)"))

@@ -38,7 +38,7 @@ from typing import Any
 
 from rich.console import Console
 
-from graft.api import API_VERSION, FINAL_PHASES, FLEETS, GROUP, ROLLOUTS as PLURAL, VERSION
+from graft.api import API_VERSION, FINAL_PHASES, FLEETS, GROUP, ROLLOUTS as PLURAL, VERSION, Reason
 from graft.operator.render import (HISTORY_COLUMNS, PHASE_STYLE, age, history_rows, print_table, render_status,
                                    steps_of)
 
@@ -401,7 +401,7 @@ def _fleet_row(obj: dict[str, Any], now: float) -> dict[str, Any]:
     meta, status = obj["metadata"], obj.get("status") or {}
     converged = next((c for c in status.get("conditions") or [] if c.get("type") == "Converged"), None)
     phase = ("Pending" if converged is None else "Converged" if converged.get("status") == "True"
-             else converged.get("reason") or "Converging")
+             else converged.get("reason") or Reason.CONVERGING)
     return {"namespace": meta.get("namespace", ""), "name": meta["name"], "kind": "PatchFleet", "phase": phase,
             "step": "-", "weight": "-", "canary": "", "stable": status.get("revision") or "", "age": _age(obj, now),
             "created": meta.get("creationTimestamp"), "pods": status.get("pods"),

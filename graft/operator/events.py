@@ -1,13 +1,7 @@
 """Kubernetes Events for a rollout: every transition has its own reason.
 
-Reasons: StepStarted, PodsPatched, WeightSet, AnalysisPassed, AnalysisFailed, AnalysisInconclusive,
-Promoted, PromotedByUser, RollingBack, RolledBack, Paused, Resumed, Aborted, PodRepatched,
-PodDropped, InvalidSpec, InvalidControl, NoPods, EnginesUnreachable, RollbackBlocked,
-ProgressDeadlineExceeded, and the refusals UnknownPatch, PatchConflict, PatchRefused,
-Unauthorized, PodMisconfigured, PatchVerifyFailed, PatchChanged, DigestMismatch, BundleMissing, AdminTokenMissing,
-HTTPRouteMissing, BackendRefsMissing, HTTPRouteUpdateFailed, VersionReused, SignatureExpired; the
-trust refusals PrometheusNotAllowed, PrometheusSecretsNotAllowed, PrometheusSecretMissing; and the
-Warning NotAnEngine (a pod the selector picks that is no engine of its workload, left alone).
+The reasons are the members of `graft.api.Reason` (the same vocabulary as `status.reason`); each
+says when it is used and the Event type it is posted with.
 """
 from __future__ import annotations
 

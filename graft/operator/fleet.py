@@ -34,13 +34,12 @@ from graft.operator.kube import Kube, KubeError, fleet_path, pods_path, rollouts
 from graft.operator.runtime import Runtime, TokenError
 from graft.rollout.fleet import (PATCHED_CONDITION, ApplyPatch, FleetPod, MarkPod, RevertPatch, SetPatched,
                                  adopt, converge, desired_revision, with_promoted, without)
-from graft.api import patches_of
+from graft.api import Reason, patches_of
 from graft.rollout.spec import (FleetSpec, LabelSelector, PatchSpec, SpecError, parse_fleet_spec,
                                 parse_selector, patch_to_dict)
 from graft.rollout.status import PENDING, from_time, to_time
 
 ACTIVE_PHASES = ("Progressing", "Paused", "RollingBack")
-FLEET_OVERLAP = "FleetOverlap"
 
 
 class FleetOverlap(Exception):
@@ -160,7 +159,7 @@ async def active_rollout(kube: Kube, namespace: str, fleet: str,
     starting = []
     for r in rollouts:
         status = r.get("status") or {}
-        if status.get("phase", PENDING) != PENDING or status.get("reason") == "Queued":
+        if status.get("phase", PENDING) != PENDING or status.get("reason") == Reason.QUEUED:
             continue
         try:
             if parse_selector((r.get("spec") or {}).get("selector")).to_query() == query:
@@ -178,20 +177,20 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
         spec = parse_fleet_spec(body.get("spec") or {})
     except SpecError as e:
         return await _write(runtime, body, {**old_status, "conditions": _conditions(
-            old_status, False, "InvalidSpec", f"invalid spec: {e}", meta)},
-            [("InvalidSpec", f"invalid spec: {e}", "Warning")])
+            old_status, False, Reason.INVALID_SPEC, f"invalid spec: {e}", meta)},
+            [(Reason.INVALID_SPEC, f"invalid spec: {e}", "Warning")])
     workloads = podsmod.Workloads(runtime.kube, namespace, runtime.settings.admin_port)
     raw = await workloads.engines(await podsmod.list_pods(runtime.kube, namespace, spec.selector.to_query()))
-    strangers = [(podsmod.NOT_AN_ENGINE, f"pod {pod} is left alone (no label, no admin call): {why}", "Warning")
+    strangers = [(Reason.NOT_AN_ENGINE, f"pod {pod} is left alone (no label, no admin call): {why}", "Warning")
                  for pod, why in sorted(workloads.refused.items())
                  if runtime.report_once(f"PatchFleet {namespace}/{name}", workloads.uid(pod))]
     stand_down = await _overlapped(runtime.kube, namespace, body, raw)
     if stand_down is not None:
         before = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Converged"), {})
-        events = strangers + ([] if before.get("reason") == FLEET_OVERLAP and before.get("message") == stand_down
-                              else [(FLEET_OVERLAP, stand_down, "Warning")])
+        events = strangers + ([] if before.get("reason") == Reason.FLEET_OVERLAP and before.get("message") == stand_down
+                              else [(Reason.FLEET_OVERLAP, stand_down, "Warning")])
         return await _write(runtime, body, {**old_status, "activeRollout": None, "conditions": _conditions(
-            old_status, False, FLEET_OVERLAP, stand_down, meta)}, events)
+            old_status, False, Reason.FLEET_OVERLAP, stand_down, meta)}, events)
     try:
         admin = await runtime.admin()
     except TokenError as e:
@@ -222,10 +221,10 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
     status = {"revision": revision, "observedGeneration": meta.get("generation", 0), "pods": len(raw),
               "converged": converged, "pending": pending,
               "activeRollout": rollout["metadata"]["name"] if rollout else None,
-              "conditions": _conditions(old_status, ok, "Converged" if ok else "Converging", message, meta)}
+              "conditions": _conditions(old_status, ok, Reason.CONVERGED if ok else Reason.CONVERGING, message, meta)}
     events = strangers
     if (old_status.get("converged"), old_status.get("pods"), old_status.get("revision")) != (converged, len(raw), revision):
-        events.append(("FleetConverged" if ok else "FleetConverging", message, "Normal"))
+        events.append((Reason.FLEET_CONVERGED if ok else Reason.FLEET_CONVERGING, message, "Normal"))
     return await _write(runtime, body, status, events)
 
 
@@ -287,7 +286,7 @@ async def _act(runtime: Runtime, workloads: podsmod.Workloads, admin, namespace:
                 await admin.revert(*workloads.address(pod), patch_name)
             case SetPatched(_, value, message):
                 await set_condition(runtime.kube, namespace, pod, PATCHED_CONDITION, value,
-                                    "Patched" if value else "Converging", message)
+                                    Reason.PATCHED if value else Reason.CONVERGING, message)
     except BundleError as e:
         errors[name] = e.problem.message
     except (AdminError, ValueError, TypeError) as e:

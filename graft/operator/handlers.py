@@ -16,7 +16,7 @@ from typing import Any
 
 import kopf
 
-from graft.api import FINAL_PHASES, FLEETS as FLEET_PLURAL, GROUP, ROLLOUTS as PLURAL, VERSION
+from graft.api import FINAL_PHASES, FLEETS as FLEET_PLURAL, GROUP, ROLLOUTS as PLURAL, VERSION, Reason
 from graft.operator import events, history
 from graft.operator.fleet import reconcile_fleet
 from graft.operator.kube import fleet_path, rollout_path
@@ -133,7 +133,7 @@ async def converge_fleet_now(runtime: Runtime, body: kopf.Body) -> None:
 def _settled(rollout: dict[str, Any]) -> bool:
     """A final phase needs nothing more, unless it is a refused spec that may have been fixed since."""
     status = RolloutStatus.from_dict(rollout.get("status"))
-    return status.phase in FINAL_PHASES and status.reason != "InvalidSpec"
+    return status.phase in FINAL_PHASES and status.reason != Reason.INVALID_SPEC
 
 
 async def finalize(runtime: Runtime, body: kopf.Body) -> None:

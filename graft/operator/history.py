@@ -27,7 +27,8 @@ from graft.operator import events
 from graft.operator.kube import KubeError, fleet_path, rollout_path, rollouts_path
 from graft.operator.runtime import Runtime
 from graft.rollout.decision import Event
-from graft.rollout.history import HISTORY_PRUNED, Deletion, finished, plan, record, targets
+from graft.api import Reason
+from graft.rollout.history import Deletion, finished, plan, record, targets
 from graft.rollout.spec import SpecError, parse_fleet_spec
 
 TTL_FIELD = "ttlSecondsAfterFinished"
@@ -81,7 +82,7 @@ async def prune(rt: Runtime, body: kopf.Body) -> None:
     mine = [record(r, refs) for r in await rt.kube.list(rollouts_path(namespace)) if targets(r, name, query)]
     for deletion in plan(mine, limit=spec.revision_history_limit, now=time.time()):
         if (deleted := await delete(rt, namespace, deletion, refs)) is not None:
-            on = fleet if deletion.reason == HISTORY_PRUNED else deleted
+            on = fleet if deletion.reason == Reason.HISTORY_PRUNED else deleted
             events.post(on, Event(deletion.reason, deletion.message, "Normal"))
 
 

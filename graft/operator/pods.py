@@ -8,7 +8,7 @@ a workload (`Workloads.vet`):
 - its containers are the ones of the owner's pod template: the same names, images, commands and
   args, so a pod that copies an ownerReference cannot run other code.
 
-A pod that is none is left alone (no label, no call, no token) and reported as `NOT_AN_ENGINE`.
+A pod that is none is left alone (no label, no call, no token) and reported as `Reason.NOT_AN_ENGINE`.
 Its engine's admin API is at the pod IP, on the port of the container port named `admin` in the
 owner's pod template, else on the operator's default (`GRAFT_ADMIN_PORT`, 8081): never on a port
 the pod itself names. The engine container is the one declaring that port (else the first
@@ -32,7 +32,6 @@ from graft.rollout.observation import UNREACHABLE, PodObservation
 TRACK_LABEL = "graft.dev/track"
 PATCHES_ANNOTATION = "graft.dev/patches"
 ADMIN_PORT_NAME = "admin"
-NOT_AN_ENGINE = "NotAnEngine"       # the reason a pod the selector picks is left alone
 WORKLOAD_KINDS = ("ReplicaSet", "StatefulSet", "Deployment")      # apps/v1 controllers of engine pods
 
 

@@ -17,20 +17,20 @@ from graft.operator import pods as podsmod
 from graft.operator.admin import AdminClient, AdminError, EngineAnswer
 from graft.operator.bundles import load_source
 from graft.operator.kube import cluster_template_path, fleet_path, rollout_path, template_path
-from graft.operator.pods import NOT_AN_ENGINE, AddressError, NoPodIP
+from graft.operator.pods import AddressError, NoPodIP
 from graft.operator.routers import RouteError, Router, router_for
 from graft.operator.problems import BundleError, PrometheusRefused, SecretError, TokenError
 from graft.operator.runtime import Runtime
 from graft.rollout.analysis import plan_run
-from graft.operator.fleet import (FLEET_OVERLAP, FleetOverlap, active_rollout, create_for_gated_pods, find_fleet,
+from graft.operator.fleet import (FleetOverlap, active_rollout, create_for_gated_pods, find_fleet,
                                   find_or_create_fleet,
                                   record_promotion)
 from graft.rollout.decision import (Action, ClearPromote, ClearResume, Event, LabelPod, PatchPod,
                                     RecordPromotion, SetWeight, UnpatchPod)
-from graft.rollout.machine import QUEUED, analysis_due, decide, known_revision
+from graft.rollout.machine import analysis_due, decide, known_revision
 from graft.rollout.observation import (UNREACHABLE, Controls, Measurement, Observation, PodError,
                                        PodObservation, Problem)
-from graft.api import FINAL_PHASES, has_patch, patches_of
+from graft.api import FINAL_PHASES, Reason, has_patch, patches_of
 from graft.rollout.spec import (REVERT, PatchSource, PatchSpec, RolloutSpec, SpecError, parse_fleet_spec, parse_spec,
                                 template_refs)
 from graft.rollout.status import (FAILED, PAUSED, PENDING, PROGRESSING, ROLLING_BACK, RolloutStatus,
@@ -38,11 +38,9 @@ from graft.rollout.status import (FAILED, PAUSED, PENDING, PROGRESSING, ROLLING_
 
 PROMOTE_ANNOTATION = "graft.dev/promote"
 RESUME_ANNOTATION = "graft.dev/resume"
-VERSION_REUSED = "VersionReused"         # an engine runs this name@version from other code
 ABORT_ANNOTATION = "graft.dev/abort"
 MAX_ROUNDS = 5
 ACTIVE = (PROGRESSING, PAUSED, ROLLING_BACK)
-NO_PODS = "NoPods"       # graft.rollout.machine's reason while no pod the selector picks is Ready
 
 
 @dataclass(slots=True)
@@ -66,12 +64,12 @@ async def reconcile(runtime: Runtime, body: dict[str, Any], now: float, *, abort
             why = "being deleted" if abort else "past its progress deadline"
             message = f"invalid spec: {e}; {why}, the canaries are reverted"
             if stored.message != message:
-                events.insert(0, Event("InvalidSpec", message, "Warning"))
+                events.insert(0, Event(Reason.INVALID_SPEC, message, "Warning"))
             status.message = message if status.phase in ACTIVE else status.message
             status.refresh_conditions(now)
             return await _write(runtime, body, stored, Result(status, events))
         return await _write(runtime, body, stored, _invalid(stored, e, body, now))
-    if stored.phase == FAILED and stored.reason == "InvalidSpec":
+    if stored.phase == FAILED and stored.reason == Reason.INVALID_SPEC:
         stored = RolloutStatus()    # the spec was fixed: start over
     if stored.phase in FINAL_PHASES:
         return Result(stored)
@@ -100,8 +98,8 @@ def _invalid(stored: RolloutStatus, error: SpecError, body: dict[str, Any], now:
         message = f"{message}; holding until it is fixed"
         status.message = message
     else:
-        status.phase, status.reason, status.message = FAILED, "InvalidSpec", message
-    events = [] if stored.message == message else [Event("InvalidSpec", message, "Warning")]
+        status.phase, status.reason, status.message = FAILED, Reason.INVALID_SPEC, message
+    events = [] if stored.message == message else [Event(Reason.INVALID_SPEC, message, "Warning")]
     status.observed_generation = int(body["metadata"].get("generation") or 0)
     status.refresh_conditions(now)   # so `kubectl wait --for=condition=...` ends on a refused rollout
     return Result(status, events)
@@ -196,7 +194,7 @@ class Reconciliation:
                 except FleetOverlap as e:
                     # lost a race with a rollout over overlapping pods starting at the same moment:
                     # nothing is touched, and the next tick holds it as wait_for_turn would have
-                    pending.reason, pending.message = FLEET_OVERLAP, str(e)
+                    pending.reason, pending.message = Reason.FLEET_OVERLAP, str(e)
                     return pending, []
             self.status = status
             await self.execute(d.actions)
@@ -204,7 +202,7 @@ class Reconciliation:
             if status.phase != PENDING and not status.fleet:
                 status.fleet = await find_or_create_fleet(self.runtime.kube, self.namespace, self.spec.selector,
                                                           status.stable_revision)
-            elif status.phase == PENDING and status.reason == NO_PODS:
+            elif status.phase == PENDING and status.reason == Reason.NO_PODS:
                 # pods held by the readiness gate need a fleet before this rollout can see them Ready
                 await create_for_gated_pods(self.runtime, self.namespace, self.spec.selector,
                                             list(self.pods.values()), self.workloads)
@@ -218,7 +216,7 @@ class Reconciliation:
         out = []
         for pod, why in sorted(self.workloads.refused.items()):
             if self.runtime.report_once(f"PatchRollout {self.namespace}/{self.name}", self.workloads.uid(pod)):
-                out.append(Event(NOT_AN_ENGINE, f"pod {pod} is left alone (no label, no admin call): {why}",
+                out.append(Event(Reason.NOT_AN_ENGINE, f"pod {pod} is left alone (no label, no admin call): {why}",
                                  "Warning"))
         return out
 
@@ -238,13 +236,13 @@ class Reconciliation:
         try:
             fleet = await find_fleet(self.runtime.kube, self.namespace, self.spec.selector)
         except FleetOverlap as e:
-            self.problem = Problem(FLEET_OVERLAP, f"holding: {e}")
+            self.problem = Problem(Reason.FLEET_OVERLAP, f"holding: {e}")
             return
         if fleet is None:
             return
         other = await active_rollout(self.runtime.kube, self.namespace, fleet)
         if other is not None and other["metadata"]["name"] != self.name:
-            self.problem = Problem(QUEUED, f"queued: PatchRollout {other['metadata']['name']} is active on "
+            self.problem = Problem(Reason.QUEUED, f"queued: PatchRollout {other['metadata']['name']} is active on "
                                            f"fleet {fleet}; this one starts when it ends")
 
     # observing
@@ -269,7 +267,7 @@ class Reconciliation:
         if not raw and picked:
             left = "; ".join(f"pod {p['metadata']['name']}: {self.workloads.refused[p['metadata']['name']]}"
                              for p in picked[:3])
-            problem = problem or Problem(NOT_AN_ENGINE, f"no engine pod matches the selector "
+            problem = problem or Problem(Reason.NOT_AN_ENGINE, f"no engine pod matches the selector "
                                                         f"{self.spec.selector.to_query()}, only pods left alone ({left})")
         observed = [podsmod.observe_pod(p) for p in raw]
         await asyncio.gather(*(self.revision(status, pod, admin) for pod in observed))
@@ -313,7 +311,7 @@ class Reconciliation:
                 or not has_patch(answer.revision, patch.ref) or running.lower() == pinned.lower():
             return
         self.problem = self.problem or Problem(
-            VERSION_REUSED, f"pod {pod} runs {patch.ref} from a bundle of digest {running}, but this rollout "
+            Reason.VERSION_REUSED, f"pod {pod} runs {patch.ref} from a bundle of digest {running}, but this rollout "
                             f"pins {pinned}: one name@version must name one code (the revision, its metrics "
                             "and every pod's state say which version runs); give the re-packed bundle a new "
                             "version", permanent=True)

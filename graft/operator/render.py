@@ -29,10 +29,10 @@ from rich.table import Table
 from rich.text import Text
 
 from graft.api import FINAL_PHASES as FINAL
+from graft.api import Reason
 from graft.operator.pods import is_ready
 from graft.rollout.spec import DEFAULT_STEPS
 
-COARSE_STEPS = "CoarseSteps"
 PHASE_STYLE = {"Progressing": "cyan", "Paused": "yellow", "Promoted": "green", "RollingBack": "red",
                "RolledBack": "red", "Failed": "bold red", "Pending": "dim"}
 VERDICT_STYLE = {"Successful": "green", "Failed": "red", "Inconclusive": "yellow", "Error": "magenta",
@@ -75,7 +75,7 @@ def step_weights(steps: Sequence[dict[str, Any]]) -> str:
 def coarse_steps(obj: dict[str, Any], events: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The latest CoarseSteps Event posted on this rollout (not on an earlier one of the same name)."""
     meta = obj["metadata"]
-    found = [e for e in events if e.get("reason") == COARSE_STEPS and _about(e, meta)]
+    found = [e for e in events if e.get("reason") == Reason.COARSE_STEPS and _about(e, meta)]
     return max(found, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "") if found else None
 
 
@@ -133,7 +133,7 @@ def _summary(obj: dict[str, Any], ready: int | None, events: Sequence[dict[str, 
                         f"graft rollout abort {meta['name']} rolls back")
     coarse = coarse_steps(obj, events)
     if coarse is not None:
-        summary.add_row(Text(f"Warning {COARSE_STEPS}", style="bold yellow"),
+        summary.add_row(Text(f"Warning {Reason.COARSE_STEPS}", style="bold yellow"),
                         coarse_steps_warning(obj, coarse, ready))
     return summary
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import kopf
 
+from graft.api import Reason
 from graft.operator.admin import AdminClient
 from graft.operator.kube import Kube, KubeError, secret_path, secret_value
 from graft.operator.metrics import OperatorMetrics
@@ -20,8 +21,6 @@ from graft.rollout.spec import PrometheusSource
 
 __all__ = ["Runtime", "PrometheusRefused", "SecretError", "TokenError"]
 
-PROMETHEUS_NOT_ALLOWED = "PrometheusNotAllowed"
-PROMETHEUS_SECRETS_NOT_ALLOWED = "PrometheusSecretsNotAllowed"
 
 
 class Runtime:
@@ -80,10 +79,10 @@ class Runtime:
             secret = await self.kube.get(secret_path(namespace, name))
             where = f"Secret {namespace}/{name}"
             if secret is None:
-                raise TokenError(Problem("AdminTokenMissing", f"{where} (the engines' admin token) not found"))
+                raise TokenError(Problem(Reason.ADMIN_TOKEN_MISSING, f"{where} (the engines' admin token) not found"))
             token = secret_value(secret, s.admin_token_key)
             if not token:
-                raise TokenError(Problem("AdminTokenMissing", f"{where} has no key {s.admin_token_key!r}"))
+                raise TokenError(Problem(Reason.ADMIN_TOKEN_MISSING, f"{where} has no key {s.admin_token_key!r}"))
             self._admin.token, self._token_read_at = token.strip(), time.monotonic()
         return self._admin
 
@@ -106,7 +105,7 @@ class Runtime:
         an address outside the allow-list, or Secrets in a namespace where it does not read them."""
         s = self.settings
         if source.address and not address_allowed(source.address, s.prometheus_prefixes):
-            return Problem(PROMETHEUS_NOT_ALLOWED,
+            return Problem(Reason.PROMETHEUS_NOT_ALLOWED,
                            f"spec.analysis.prometheus.address: {source.address} is not a Prometheus this "
                            f"operator may ask (allowed: {', '.join(s.prometheus_prefixes)}; the cluster "
                            "administrator sets them with GRAFT_PROMETHEUS_ALLOWED, the chart's "
@@ -114,7 +113,7 @@ class Runtime:
         named = [f for f, ref in (("bearerTokenSecret", source.bearer_token_secret), ("caSecret", source.ca_secret))
                  if ref is not None]
         if named and namespace not in s.prometheus_secret_namespaces:
-            return Problem(PROMETHEUS_SECRETS_NOT_ALLOWED,
+            return Problem(Reason.PROMETHEUS_SECRETS_NOT_ALLOWED,
                            f"spec.analysis.prometheus.{named[0]}: this operator reads no Prometheus Secrets in "
                            f"namespace {namespace} (the cluster administrator enables them per namespace: "
                            "GRAFT_PROMETHEUS_SECRET_NAMESPACES, the chart's rbac.prometheusSecrets)",
@@ -148,13 +147,13 @@ class Runtime:
         except KubeError as e:
             if e.status != 403:
                 raise
-            raise SecretError(Problem("PrometheusSecretMissing",
+            raise SecretError(Problem(Reason.PROMETHEUS_SECRET_MISSING,
                                       f"spec.analysis.prometheus.{field}: the operator may not read Secret "
                                       f"{namespace}/{name} (no Role grants it: the chart's rbac.prometheusSecrets)")
                               ) from None
         value = secret_value(secret, key) if secret is not None else None
         if not value:
-            raise SecretError(Problem("PrometheusSecretMissing",
+            raise SecretError(Problem(Reason.PROMETHEUS_SECRET_MISSING,
                                       f"spec.analysis.prometheus.{field}: Secret {namespace}/{name} "
                                       + ("not found" if secret is None else f"has no key {key!r}")))
         return value

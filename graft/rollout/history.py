@@ -20,13 +20,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from graft.api import FINAL_PHASES
+from graft.api import FINAL_PHASES, Reason
 from graft.rollout.spec import REVERT, SpecError, parse_selector, parse_ttl
 from graft.rollout.status import FAILED, PROMOTED, from_time
 
-TTL_EXPIRED = "TTLExpired"
-HISTORY_PRUNED = "HistoryPruned"
-INVALID_SPEC = "InvalidSpec"
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,7 +49,7 @@ class RolloutRecord:
 @dataclass(slots=True, frozen=True)
 class Deletion:
     rollout: RolloutRecord
-    reason: str                        # TTL_EXPIRED or HISTORY_PRUNED
+    reason: str                        # Reason.TTL_EXPIRED or Reason.HISTORY_PRUNED
     message: str
 
 
@@ -66,7 +63,7 @@ def plan(rollouts: Iterable[RolloutRecord], *, limit: int | None, now: float) ->
     """The rollouts to delete now, each with why: those whose TTL ran out, then those beyond
     `limit` finished ones (None: no limit), oldest first in each group."""
     rollouts = list(rollouts)
-    out = [Deletion(r, TTL_EXPIRED, f"deleted {now - r.finished_at:.1f}s after it finished {r.phase} "
+    out = [Deletion(r, Reason.TTL_EXPIRED, f"deleted {now - r.finished_at:.1f}s after it finished {r.phase} "
                                     f"(ttlSecondsAfterFinished: {r.ttl})")
            for r in sorted(rollouts, key=lambda r: r.order) if expired(r, now)]
     if limit is None:
@@ -74,7 +71,7 @@ def plan(rollouts: Iterable[RolloutRecord], *, limit: int | None, now: float) ->
     newest_first = sorted((r for r in rollouts if r.finished and not expired(r, now)), key=lambda r: r.order,
                           reverse=True)
     preferred = sorted(newest_first, key=lambda r: not r.keeps_stable)    # stable: each group newest first
-    out += [Deletion(r, HISTORY_PRUNED, f"deleted PatchRollout {r.name} ({r.phase}): the fleet keeps "
+    out += [Deletion(r, Reason.HISTORY_PRUNED, f"deleted PatchRollout {r.name} ({r.phase}): the fleet keeps "
                                         f"{_kept(limit)} (revisionHistoryLimit)"
                                         + (", fewer than the rollouts that promoted its patches" if r.keeps_stable
                                            else ""))
@@ -91,7 +88,7 @@ def _kept(n: int) -> str:
 def finished(status: Mapping[str, Any] | None) -> bool:
     """Whether a rollout with this `status` is finished (see the module's docstring)."""
     status = status or {}
-    return status.get("phase") in FINAL_PHASES and not (status.get("phase") == FAILED and status.get("reason") == INVALID_SPEC)
+    return status.get("phase") in FINAL_PHASES and not (status.get("phase") == FAILED and status.get("reason") == Reason.INVALID_SPEC)
 
 
 def finished_at(status: Mapping[str, Any] | None) -> float | None:
@@ -128,5 +125,4 @@ def targets(rollout: Mapping[str, Any], fleet: str, selector_query: str) -> bool
         return False
 
 
-__all__ = ["RolloutRecord", "Deletion", "plan", "expired", "finished", "finished_at", "record", "targets",
-           "TTL_EXPIRED", "HISTORY_PRUNED"]
+__all__ = ["RolloutRecord", "Deletion", "plan", "expired", "finished", "finished_at", "record", "targets"]

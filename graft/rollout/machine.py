@@ -27,19 +27,14 @@ from graft.rollout.decision import (ClearPromote, ClearResume, Decision, Event, 
                                     RecordPromotion, SetWeight, UnpatchPod)
 from graft.rollout.durations import format_duration
 from graft.rollout.observation import PERMANENT_ERRORS, VERIFY_FAILED, Observation, PodObservation
-from graft.api import FINAL_PHASES, has_patch, patches_of, with_patch, without_patch
+from graft.api import FINAL_PHASES, Reason, has_patch, patches_of, with_patch, without_patch
 from graft.rollout.spec import REVERT, RolloutSpec
 from graft.rollout.status import (CANARY, FAILED, PAUSED, PENDING, PROGRESSING, PROMOTED,
                                   ROLLED_BACK, ROLLING_BACK, STABLE, PodRecord, RolloutStatus, to_time)
 
 WARNING = "Warning"
 # reasons for a pause the analysis asked for (a person resumes or aborts)
-INCONCLUSIVE_LIMIT, ERROR_LIMIT, OUTAGE_LIMIT = "InconclusiveLimit", "AnalysisErrorLimit", "AnalysisOutageLimit"
-UNAVAILABLE = "AnalysisUnavailable"   # Prometheus cannot be reached: the step holds and goes on by itself
 RESUME_HINT = "resume (graft rollout resume, or the annotation graft.dev/resume=true) or abort"
-QUEUED = "Queued"      # another rollout is active on the same fleet
-AWAITING_APPROVAL = "AwaitingApproval"   # a manual step passed its analysis and waits for a person
-APPROVED = "Approved"                    # a person approved it (graft.dev/promote)
 
 
 def canary_target(pods: int, weight: int) -> int:
@@ -149,24 +144,24 @@ class _Machine:
     def pending(self) -> None:
         obs, spec = self.obs, self.spec
         if obs.controls.abort:
-            self.event("Aborted", "aborted by the user before any pod was patched", WARNING)
-            self.finish(ROLLED_BACK, "Aborted", "aborted by the user before any pod was patched")
+            self.event(Reason.ABORTED, "aborted by the user before any pod was patched", WARNING)
+            self.finish(ROLLED_BACK, Reason.ABORTED, "aborted by the user before any pod was patched")
             return
         if spec.paused:
-            self.note("Paused", "created paused: nothing is patched until spec.paused is false", "Normal")
+            self.note(Reason.PAUSED, "created paused: nothing is patched until spec.paused is false", "Normal")
             return
         if obs.problem is not None:
             if obs.problem.permanent:
                 self.finish(FAILED, obs.problem.reason, obs.problem.message)
             else:
                 self.note(obs.problem.reason, obs.problem.message)
-                if obs.problem.reason != QUEUED:     # waiting its turn is not a lack of progress
+                if obs.problem.reason != Reason.QUEUED:     # waiting its turn is not a lack of progress
                     self.pending_deadline(obs.problem.message)
             return
         ready = self.ready
         if not ready:
             message = f"no ready pods match the selector {spec.selector.to_query()}"
-            self.note("NoPods", message)
+            self.note(Reason.NO_PODS, message)
             self.pending_deadline(message)
             return
         known = [p for p in ready if p.revision is not None]
@@ -178,7 +173,7 @@ class _Machine:
         if not known:
             errors = "; ".join(f"{p.name}: {p.error.message}" for p in ready if p.error) or "no answer"
             message = f"cannot read the revision of any engine ({errors})"
-            self.note("EnginesUnreachable", message)
+            self.note(Reason.ENGINES_UNREACHABLE, message)
             self.pending_deadline(message)
             return
         status = self.status
@@ -186,10 +181,10 @@ class _Machine:
         status.stable_revision = stable_of([p.revision for p in known], self.ref, self.reverting)
         status.stable_patch = "" if self.reverting else same_patch(status.stable_revision, self.ref) or ""
         status.canary_revision = self.canary_form(status.stable_revision)
-        status.phase, status.reason, status.started_at = PROGRESSING, "Started", self.now
+        status.phase, status.reason, status.started_at = PROGRESSING, Reason.STARTED, self.now
         first = spec.steps[0].weight
         if obs.route_weight is None and len(ready) * first < 100:
-            self.event("CoarseSteps", f"pod-ratio routing over {len(ready)} pods: the smallest share is one pod, "
+            self.event(Reason.COARSE_STEPS, f"pod-ratio routing over {len(ready)} pods: the smallest share is one pod, "
                                       f"{100 / len(ready):.3g}% of the traffic, so steps below that "
                                       f"(first: {first}%) send more than they ask; use Gateway API routing "
                                       "or more pods for finer steps", WARNING)
@@ -201,7 +196,7 @@ class _Machine:
 
     def pending_deadline(self, why: str) -> None:
         if self.now - self.obs.created_at > self.spec.progress_deadline:
-            self.finish(FAILED, "ProgressDeadlineExceeded",
+            self.finish(FAILED, Reason.PROGRESS_DEADLINE_EXCEEDED,
                         f"not started within {format_duration(self.spec.progress_deadline)}: {why}")
 
     # pods
@@ -210,7 +205,7 @@ class _Machine:
         status, seen = self.status, {p.name for p in self.obs.pods}
         for record in [r for r in status.pods if r.name not in seen]:
             status.pods.remove(record)
-            self.event("PodDropped", f"pod {record.name} is gone (was {record.track}); dropped from the rollout")
+            self.event(Reason.POD_DROPPED, f"pod {record.name} is gone (was {record.track}); dropped from the rollout")
         for pod in self.obs.pods:
             record = status.pod(pod.name)
             if record is None:
@@ -267,7 +262,7 @@ class _Machine:
                 if act and pod.error is None:   # an engine that just failed is tried again next tick
                     self.actions.append(PatchPod(pod.name) if wants else UnpatchPod(pod.name))
                     if wants and pod.name in self.restarted:
-                        self.event("PodRepatched", f"pod {pod.name} restarted and came back without "
+                        self.event(Reason.POD_REPATCHED, f"pod {pod.name} restarted and came back without "
                                                    f"{self.ref}; patching it again", WARNING)
             elif wants and record.patched_at is None:
                 record.patched_at = self.now
@@ -304,7 +299,7 @@ class _Machine:
             if err is None:
                 continue
             if err.kind == VERIFY_FAILED:
-                self.rollback("PatchVerifyFailed", f"pod {pod.name}: {err.message}", ROLLED_BACK)
+                self.rollback(Reason.PATCH_VERIFY_FAILED, f"pod {pod.name}: {err.message}", ROLLED_BACK)
                 return True
             if err.permanent:
                 self.rollback(PERMANENT_ERRORS[err.kind], f"pod {pod.name}: {err.message}", FAILED)
@@ -319,7 +314,7 @@ class _Machine:
         status.analysis.inconclusive_runs = status.analysis.error_runs = 0
         status.analysis.outage_seconds = 0.0
         pods = len(self.ready)
-        self.event("StepStarted", f"{self.step_label}: weight {step.weight}%, "
+        self.event(Reason.STEP_STARTED, f"{self.step_label}: weight {step.weight}%, "
                                   f"{canary_target(pods, step.weight)} of {pods} pods run {self.ref}"
                                   + (f", then a pause of {step.pause_text}" if step.pause_text else "")
                                   + (", then it waits for approval (graft rollout promote)"
@@ -328,11 +323,11 @@ class _Machine:
     def progressing(self) -> None:
         status, obs, spec = self.status, self.obs, self.spec
         if obs.controls.abort:
-            self.event("Aborted", "aborted by the user (graft.dev/abort)", WARNING)
-            self.rollback("Aborted", "aborted by the user", ROLLED_BACK)
+            self.event(Reason.ABORTED, "aborted by the user (graft.dev/abort)", WARNING)
+            self.rollback(Reason.ABORTED, "aborted by the user", ROLLED_BACK)
             return
         if spec.patch.ref != status.patch:
-            self.rollback("PatchChanged", f"spec.patch changed from {status.patch} to {spec.patch.ref} "
+            self.rollback(Reason.PATCH_CHANGED, f"spec.patch changed from {status.patch} to {spec.patch.ref} "
                                           "during the rollout; create a new PatchRollout", ROLLED_BACK)
             return
         if obs.problem is not None:
@@ -372,11 +367,11 @@ class _Machine:
             if status.pause_conditions:
                 ended = ", ".join(str(c.get("reason")) for c in status.pause_conditions)
                 status.pause_conditions = []
-                self.event("PauseEnded", f"{ended} pause at {self.step_label} ended by the user (graft.dev/resume)"
+                self.event(Reason.PAUSE_ENDED, f"{ended} pause at {self.step_label} ended by the user (graft.dev/resume)"
                            + ("; spec.paused still holds it" if spec.paused else ""))
         if (spec.paused or status.pause_conditions) and status.phase == PROGRESSING:
             status.phase = PAUSED
-            self.event("Paused", f"paused at {self.step_label} (weight {status.weight}%)")
+            self.event(Reason.PAUSED, f"paused at {self.step_label} (weight {status.weight}%)")
         elif not spec.paused and not status.pause_conditions and status.phase == PAUSED:
             status.phase, status.step_started_at = PROGRESSING, self.now
             if status.step_ready_at is not None:
@@ -385,7 +380,7 @@ class _Machine:
             a = status.analysis
             a.inconclusive_runs = a.error_runs = 0
             a.outage_since, a.outage_seconds = None, 0.0
-            self.event("Resumed", f"resumed at {self.step_label}; its pause starts over")
+            self.event(Reason.RESUMED, f"resumed at {self.step_label}; its pause starts over")
 
     def pause_for_analysis(self, reason: str, message: str) -> None:
         """The analysis cannot decide: pause for a person, saying why, instead of holding to the
@@ -407,7 +402,7 @@ class _Machine:
         self.actions.append(ClearPromote())
         self.promote_used = True
         if how not in ("step", "full"):
-            self.event("InvalidControl", f"graft.dev/promote must be 'step' or 'full', not {how!r}", WARNING)
+            self.event(Reason.INVALID_CONTROL, f"graft.dev/promote must be 'step' or 'full', not {how!r}", WARNING)
             return
         last = len(self.spec.steps) - 1
         if status.awaiting_approval_since is not None:
@@ -420,12 +415,12 @@ class _Machine:
                 return
         if how == "full" or status.step_index >= last:
             status.full_promotion = True
-            self.event("PromotedByUser", f"full promotion requested at {self.step_label}: "
+            self.event(Reason.PROMOTED_BY_USER, f"full promotion requested at {self.step_label}: "
                                          "remaining steps and analysis skipped")
             if status.step_index < last:
                 self.start_step(last)
         else:
-            self.event("PromotedByUser", f"{self.step_label} promoted by the user")
+            self.event(Reason.PROMOTED_BY_USER, f"{self.step_label} promoted by the user")
             self.start_step(status.step_index + 1)
 
     def step_in_place(self) -> bool:
@@ -440,7 +435,7 @@ class _Machine:
                                          p.name))
             for pod in canaries[target:]:
                 status.pod(pod.name).track = STABLE
-                self.event("CanaryReturned", f"pod {pod.name} is a canary beyond the {target} that "
+                self.event(Reason.CANARY_RETURNED, f"pod {pod.name} is a canary beyond the {target} that "
                                              f"{self.step_label} asks for; back to stable")
             canaries = canaries[:target]
         for pod in sorted((p for p in ready if status.pod(p.name).track != CANARY), key=lambda p: p.name):
@@ -461,11 +456,11 @@ class _Machine:
         if status.step_ready_at is None:
             status.step_ready_at, status.weight = self.now, weight
             pods = f"{len(canaries)} of {len(ready)} pods"
-            self.event("PodsPatched", f"{self.step_label}: {pods} run {self.ref} ({status.canary_revision})")
+            self.event(Reason.PODS_PATCHED, f"{self.step_label}: {pods} run {self.ref} ({status.canary_revision})")
             route = (f"HTTPRoute {self.spec.traffic_routing.http_route} sends {weight}% to "
                      f"{self.spec.traffic_routing.canary_service}"
                      if self.obs.route_weight is not None else f"{pods} are canaries")
-            self.event("WeightSet", f"{self.step_label}: canary weight {weight}% ({route})")
+            self.event(Reason.WEIGHT_SET, f"{self.step_label}: canary weight {weight}% ({route})")
         return True
 
     def step_done(self) -> bool:
@@ -493,7 +488,7 @@ class _Machine:
             return True
         if status.awaiting_approval_since is None:
             status.awaiting_approval_since = self.now
-            self.event(AWAITING_APPROVAL, self.approval_message())
+            self.event(Reason.AWAITING_APPROVAL, self.approval_message())
         return False
 
     def approve(self) -> None:
@@ -501,7 +496,7 @@ class _Machine:
         status, who = self.status, self.obs.controls.promoted_by
         by = "graft.dev/promote" + (f", set by {who}" if who else "")
         since = status.awaiting_approval_since
-        self.event(APPROVED, f"{self.step_label} approved ({by}) "
+        self.event(Reason.APPROVED, f"{self.step_label} approved ({by}) "
                              + (f"after waiting {about(self.now - since)}" if since is not None else
                                 "before its analysis passed; it goes on now that the analysis passed"))
         status.awaiting_approval_since = None
@@ -532,10 +527,10 @@ class _Machine:
         status.record_analysis(analysis_spec.measurement_retention)
         for r in results:
             if r.verdict == judge.FAILED and (r.role == "breaker" or r.conclusive):
-                self.event("AnalysisFailed", f"{r.role} {r.message}", WARNING)
+                self.event(Reason.ANALYSIS_FAILED, f"{r.role} {r.message}", WARNING)
         if verdict == judge.FAILED:
             blamed = "; ".join(f"{r.role} {r.message}" for r in judge.failing(analysis_spec, results))
-            self.rollback("AnalysisFailed", f"analysis failed at {self.step_label}: {blamed}", ROLLED_BACK)
+            self.rollback(Reason.ANALYSIS_FAILED, f"analysis failed at {self.step_label}: {blamed}", ROLLED_BACK)
             return True
         outage = self.outage(verdict, results)
         status.analysis.error_runs = status.analysis.error_runs + 1 if verdict == judge.ERROR and not outage else 0
@@ -546,22 +541,22 @@ class _Machine:
         summary = "; ".join(r.message for r in results if not r.dry_run and r.verdict != judge.SKIPPED)
         held = "; ".join(f"{r.role} {r.message}" for r in judge.holding(results))
         if verdict == judge.SUCCESSFUL and before != judge.SUCCESSFUL:
-            self.event("AnalysisPassed", f"{self.step_label}: {summary}")
+            self.event(Reason.ANALYSIS_PASSED, f"{self.step_label}: {summary}")
         elif verdict in (judge.INCONCLUSIVE, judge.ERROR) and before != verdict:
-            self.event("AnalysisInconclusive", f"{self.step_label}: holding ({verdict}): {held}", WARNING)
+            self.event(Reason.ANALYSIS_INCONCLUSIVE, f"{self.step_label}: holding ({verdict}): {held}", WARNING)
         if status.phase != PROGRESSING or status.awaiting_approval_since is not None:
             return False      # a person is asked already: no pause for one on top of it
         since = status.analysis.outage_since
         if outage and analysis_spec.outage_limit and self.now - since >= analysis_spec.outage_limit:
-            self.pause_for_analysis(OUTAGE_LIMIT, f"Prometheus could not be reached for "
+            self.pause_for_analysis(Reason.ANALYSIS_OUTAGE_LIMIT, f"Prometheus could not be reached for "
                                                   f"{about(self.now - since)} (outageLimit "
                                                   f"{format_duration(analysis_spec.outage_limit)}): {held}")
         elif analysis_spec.error_limit and status.analysis.error_runs >= analysis_spec.error_limit:
-            self.pause_for_analysis(ERROR_LIMIT, f"the analysis failed {status.analysis.error_runs} runs in a row "
+            self.pause_for_analysis(Reason.ANALYSIS_ERROR_LIMIT, f"the analysis failed {status.analysis.error_runs} runs in a row "
                                                  f"(errorLimit {analysis_spec.error_limit}): {held}")
         elif (analysis_spec.inconclusive_limit
               and status.analysis.inconclusive_runs >= analysis_spec.inconclusive_limit):
-            self.pause_for_analysis(INCONCLUSIVE_LIMIT,
+            self.pause_for_analysis(Reason.INCONCLUSIVE_LIMIT,
                                     f"the analysis held the step {status.analysis.inconclusive_runs} runs past its "
                                     f"pause (inconclusiveLimit {analysis_spec.inconclusive_limit}): {held}")
         return False
@@ -576,14 +571,14 @@ class _Machine:
         if outage and a.outage_since is None:
             a.outage_since = self.now
             limit = self.spec.analysis.outage_limit
-            self.event(UNAVAILABLE, f"{self.step_label}: Prometheus cannot be reached ({errors[0].error}); "
+            self.event(Reason.ANALYSIS_UNAVAILABLE, f"{self.step_label}: Prometheus cannot be reached ({errors[0].error}); "
                                     f"holding at weight {self.status.weight}% until it answers"
                                     + (f", pausing after {format_duration(limit)}" if limit else ""), WARNING)
         elif not outage and a.outage_since is not None:
             lasted = max(0.0, self.now - a.outage_since)
             a.outage_seconds += lasted
             a.outage_since = None
-            self.event("AnalysisAvailable", f"{self.step_label}: Prometheus answers again after "
+            self.event(Reason.ANALYSIS_AVAILABLE, f"{self.step_label}: Prometheus answers again after "
                                             f"{about(lasted)}; the step goes on")
         return outage
 
@@ -614,7 +609,7 @@ class _Machine:
         limit = (status.step_started_at + self.spec.step(status.step_index).pause + self.spec.progress_deadline
                  + status.analysis.held_by_outage(self.now))
         if self.now > limit:
-            self.rollback("ProgressDeadlineExceeded",
+            self.rollback(Reason.PROGRESS_DEADLINE_EXCEEDED,
                           f"{self.step_label} made no progress for {format_duration(self.spec.progress_deadline)} "
                           f"past its pause: {why}", ROLLED_BACK)
 
@@ -625,25 +620,25 @@ class _Machine:
                f"{canaries} of {len(self.ready)} pods canary"
         if status.phase == PAUSED:
             if not status.pause_conditions:      # a pause the analysis asked for keeps its reason
-                status.reason, status.message = "Paused", f"{head}; paused"
+                status.reason, status.message = Reason.PAUSED, f"{head}; paused"
             return
         why = self.waiting_for(ready)
         if not self.ready:
-            self.note("NoPods", f"{head}; {why}")
+            self.note(Reason.NO_PODS, f"{head}; {why}")
             return
         if status.awaiting_approval_since is not None:
-            status.reason, status.message = AWAITING_APPROVAL, self.approval_message()
+            status.reason, status.message = Reason.AWAITING_APPROVAL, self.approval_message()
             return
         if self.spec.step(status.step_index).until_approved and self.obs.controls.promote == "step" \
                 and not self.promote_used:
             why += "; approved already (graft.dev/promote): it goes on once the analysis passes"
-        status.reason = UNAVAILABLE if ready and status.analysis.outage_since is not None else "Progressing"
+        status.reason = Reason.ANALYSIS_UNAVAILABLE if ready and status.analysis.outage_since is not None else Reason.PROGRESSING
         status.message = f"{head}; {why}"
 
     # endings
     def promote(self) -> None:
         status = self.status
-        status.phase, status.reason, status.weight = PROMOTED, "Promoted", 100
+        status.phase, status.reason, status.weight = PROMOTED, Reason.PROMOTED, 100
         status.awaiting_approval_since = None
         status.stable_revision = status.canary_revision
         self.actions.append(RecordPromotion())
@@ -653,7 +648,7 @@ class _Machine:
         if self.obs.route_weight is not None and self.obs.route_weight != 0:
             self.actions.append(SetWeight(0))
         status.message = f"{self.ref} promoted: all {len(self.ready)} pods run {status.stable_revision}"
-        self.event("Promoted", status.message)
+        self.event(Reason.PROMOTED, status.message)
 
     def rollback(self, reason: str, message: str, end: str) -> None:
         status = self.status
@@ -662,7 +657,7 @@ class _Machine:
         status.awaiting_approval_since = None
         # nothing planned for the step still applies: rolling back recomputes pods and route
         self.actions = [action for action in self.actions if isinstance(action, (ClearPromote, ClearResume))]
-        self.event("RollingBack", f"{message}; reverting {self.ref}", WARNING)
+        self.event(Reason.ROLLING_BACK, f"{message}; reverting {self.ref}", WARNING)
         self.rolling_back()
 
     def rolling_back(self) -> None:
@@ -681,14 +676,14 @@ class _Machine:
                 self.blocked(f"cannot revert {self.ref} on {'; '.join(errors)}")
             return
         self.finish(status.end_phase or ROLLED_BACK, status.reason, status.cause)
-        self.event("RolledBack", f"{self.ref} reverted on every pod; all run {status.stable_revision} ({status.cause})",
+        self.event(Reason.ROLLED_BACK, f"{self.ref} reverted on every pod; all run {status.stable_revision} ({status.cause})",
                    WARNING if status.phase == FAILED else "Normal")
 
     def blocked(self, why: str) -> None:
         """The rollback cannot finish yet: say so, keeping the reason it started for."""
         message = f"{self.status.cause}; rolling back, but {why}"
         if self.status.message != message:
-            self.event("RollbackBlocked", why, WARNING)
+            self.event(Reason.ROLLBACK_BLOCKED, why, WARNING)
         self.status.message = message
 
     def finish(self, phase: str, reason: str, message: str) -> None:

@@ -4,13 +4,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from graft.api import Reason
+
 # Admin API answers, by how the rollout treats them.
 PERMANENT_ERRORS = {
-    "malformed": "PatchRefused",        # 400
-    "unauthorized": "Unauthorized",     # 401 / 403 (wrong token, untrusted bundle)
-    "unknown-patch": "UnknownPatch",    # 404
-    "conflict": "PatchConflict",        # 409
-    "misconfigured": "PodMisconfigured",  # an engine the operator cannot call as it is declared
+    "malformed": Reason.PATCH_REFUSED,            # 400
+    "unauthorized": Reason.UNAUTHORIZED,          # 401 / 403 (wrong token, untrusted bundle)
+    "unknown-patch": Reason.UNKNOWN_PATCH,        # 404
+    "conflict": Reason.PATCH_CONFLICT,            # 409
+    "misconfigured": Reason.POD_MISCONFIGURED,    # an engine the operator cannot call as it is declared
 }
 MISCONFIGURED = "misconfigured"
 VERIFY_FAILED = "verify-failed"         # 422: the engine reverted it already

@@ -44,10 +44,10 @@ import numpy as np
 
 from graft.rollout import analysis as judge
 from graft.rollout.decision import LabelPod, PatchPod, SetWeight, UnpatchPod
-from graft.rollout.machine import AWAITING_APPROVAL, analysis_due, decide, known_revision
+from graft.rollout.machine import analysis_due, decide, known_revision
 from graft.rollout.observation import Controls, Measurement, Observation, PodObservation
 from graft.rollout.queries import CANARY, DIVERGENT, FAILED, Series
-from graft.api import BASE, FINAL_PHASES, has_patch, with_patch, without_patch
+from graft.api import BASE, FINAL_PHASES, Reason, has_patch, with_patch, without_patch
 from graft.rollout.spec import RolloutSpec
 from graft.rollout.status import PAUSED, PROMOTED, RolloutStatus
 
@@ -466,7 +466,7 @@ def summarise(outcomes: list[Outcome]) -> Summary:
     promoted = sum(o.phase == PROMOTED for o in outcomes)
     rolled = [o for o in outcomes if o.phase in ("RolledBack", "Failed")]
     paused = sum(o.phase == PAUSED for o in outcomes)
-    awaiting = sum(o.phase not in FINAL_PHASES and o.reason == AWAITING_APPROVAL for o in outcomes)
+    awaiting = sum(o.phase not in FINAL_PHASES and o.reason == Reason.AWAITING_APPROVAL for o in outcomes)
     steps: dict[int, int] = {}
     for o in rolled:
         steps[o.step] = steps.get(o.step, 0) + 1
@@ -474,4 +474,4 @@ def summarise(outcomes: list[Outcome]) -> Summary:
     return Summary(len(outcomes), promoted, len(rolled), paused,
                    len(outcomes) - promoted - len(rolled) - paused - awaiting,
                    statistics.median(decided) if decided else math.nan, dict(sorted(steps.items())),
-                   awaiting, sum(o.reasons.count("Approved") for o in outcomes))
+                   awaiting, sum(o.reasons.count(Reason.APPROVED) for o in outcomes))

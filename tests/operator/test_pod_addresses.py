@@ -6,7 +6,8 @@ import asyncio
 import pytest
 
 from graft.operator.kube import fleet_path, pods_path
-from graft.operator.pods import NOT_AN_ENGINE, NoPodIP
+from graft.api import Reason
+from graft.operator.pods import NoPodIP
 from graft.rollout.observation import PodError
 
 from operator_cluster import TOKEN, create, events_of, events_with, manifest, phase_is, set_pod_status, until
@@ -55,8 +56,8 @@ async def test_pods_that_are_no_engines_get_no_call_no_token_and_no_label(cluste
         for name in ("trap-orphan", "trap-forged", "trap-image"):
             pod = await cluster.kube.get(pods_path(namespace, name))
             assert "graft.dev/track" not in (pod["metadata"].get("labels") or {})
-        events = await until(lambda: events_with(cluster, namespace, NOT_AN_ENGINE), 10)
-        messages = sorted(e["message"] for e in events if e["reason"] == NOT_AN_ENGINE)
+        events = await until(lambda: events_with(cluster, namespace, Reason.NOT_AN_ENGINE), 10)
+        messages = sorted(e["message"] for e in events if e["reason"] == Reason.NOT_AN_ENGINE)
         assert len(messages) == 3, messages     # once per pod
         assert "pod trap-forged" in messages[0] and "has another uid" in messages[0]
         assert "pod trap-image" in messages[1] and "image 'attacker:latest', not 'graft:dev'" in messages[1]
@@ -74,7 +75,7 @@ async def test_a_rollout_over_no_engine_waits_and_says_why(cluster, namespace, n
         await operator()
         await create(cluster, namespace, manifest(prometheus))
         obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Pending"), 20)
-        obj = await until(lambda: _reason(cluster, namespace, NOT_AN_ENGINE), 20)
+        obj = await until(lambda: _reason(cluster, namespace, Reason.NOT_AN_ENGINE), 20)
         assert "only pods left alone (pod trap-orphan: it has no controller ownerReference" in obj["status"]["message"]
         assert engine.tokens == [], "a pod left alone received an admin call"
     finally:

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from graft.devcluster.apiserver import ApiServer
 from graft.devcluster.crd import check, served_versions
 from graft.devcluster.kubeconfig import write_kubeconfig
-from graft.rollout.history import (HISTORY_PRUNED, TTL_EXPIRED, RolloutRecord, expired, finished, finished_at,
+from graft.api import Reason
+from graft.rollout.history import (RolloutRecord, expired, finished, finished_at,
                                    plan, record, targets)
 from graft.rollout.spec import DEFAULT_REVISION_HISTORY_LIMIT, SpecError, parse_fleet_spec, parse_spec
 from graft.api import FINAL_PHASES
@@ -42,7 +43,7 @@ def test_the_oldest_finished_go_first_and_active_ones_stay():
     rollouts = [rollout("a", 10), rollout("b", 20, phase="RolledBack"), rollout("c", 30, phase="Failed"),
                 rollout("d", phase="Progressing"), rollout("e", phase="Pending")]
     deletions = plan(rollouts, limit=1, now=100)
-    assert [(d.rollout.name, d.reason) for d in deletions] == [("a", HISTORY_PRUNED), ("b", HISTORY_PRUNED)]
+    assert [(d.rollout.name, d.reason) for d in deletions] == [("a", Reason.HISTORY_PRUNED), ("b", Reason.HISTORY_PRUNED)]
     assert "deleted PatchRollout a (Promoted): the fleet keeps 1 finished rollout (revisionHistoryLimit)" \
         == deletions[0].message
     assert plan(rollouts, limit=3, now=100) == []
@@ -64,8 +65,8 @@ def test_a_ttl_counts_from_the_finish_and_is_honoured_whatever_the_fleet_keeps()
     assert plan([done], limit=None, now=129.9) == []
     (d,) = plan([done], limit=None, now=130)
     assert (d.reason, d.message) == (
-        TTL_EXPIRED, "deleted 30.0s after it finished Promoted (ttlSecondsAfterFinished: 30)")
-    assert plan([done], limit=10, now=130)[0].reason == TTL_EXPIRED
+        Reason.TTL_EXPIRED, "deleted 30.0s after it finished Promoted (ttlSecondsAfterFinished: 30)")
+    assert plan([done], limit=10, now=130)[0].reason == Reason.TTL_EXPIRED
     assert expired(rollout("now", 100, ttl=0), 100)
     # an active rollout, or one whose finish time is not known, never expires
     assert not expired(rollout("running", 100, phase="Paused", ttl=0), 1e9)
@@ -107,11 +108,11 @@ def test_plan_properties(data, rollouts, limit):
     # never an active rollout
     assert all(d.rollout.finished for d in deletions)
     # the TTL: exactly the finished rollouts whose finish time plus TTL has passed
-    assert {n for n, d in deleted.items() if d.reason == TTL_EXPIRED} == {
+    assert {n for n, d in deleted.items() if d.reason == Reason.TTL_EXPIRED} == {
         r.name for r in rollouts if r.finished and r.ttl is not None and r.finished_at is not None
         and now >= r.finished_at + r.ttl}
     if limit is None:
-        assert all(d.reason == TTL_EXPIRED for d in deletions)
+        assert all(d.reason == Reason.TTL_EXPIRED for d in deletions)
         return
     # the limit: exactly min(limit, finished) kept among those the TTL leaves
     candidates = [r for r in rollouts if r.finished and not expired(r, now)]
@@ -126,11 +127,11 @@ def test_plan_properties(data, rollouts, limit):
     if any(p.keeps_stable for p in pruned):
         assert all(k.keeps_stable for k in kept) and len(kept) == limit
     # oldest first within each reason
-    for reason in (TTL_EXPIRED, HISTORY_PRUNED):
+    for reason in (Reason.TTL_EXPIRED, Reason.HISTORY_PRUNED):
         orders = [d.rollout.order for d in deletions if d.reason == reason]
         assert orders == sorted(orders)
-    assert [d.reason for d in deletions] == sorted((d.reason for d in deletions), key=[TTL_EXPIRED,
-                                                                                         HISTORY_PRUNED].index)
+    assert [d.reason for d in deletions] == sorted((d.reason for d in deletions), key=[Reason.TTL_EXPIRED,
+                                                                                         Reason.HISTORY_PRUNED].index)
 
 
 # reading the stored objects

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from graft.api import Reason
 from graft.operator.kube import Kube, KubeError, httproute_path
 from graft.operator.routers import RouteError
 from graft.rollout.spec import TrafficRouting
@@ -26,7 +27,7 @@ class GatewayAPIRouter:
     async def _get(self) -> dict[str, Any]:
         route = await self.kube.get(httproute_path(self.namespace, self.route))
         if route is None:
-            raise RouteError("HTTPRouteMissing", f"{self.where} not found")
+            raise RouteError(Reason.HTTP_ROUTE_MISSING, f"{self.where} not found")
         return route
 
     def _rules(self, route: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -37,7 +38,7 @@ class GatewayAPIRouter:
             if self.stable in refs and self.canary in refs:
                 pairs.append((refs[self.stable], refs[self.canary]))
         if not pairs:
-            raise RouteError("BackendRefsMissing", f"{self.where} has no rule with backendRefs to both "
+            raise RouteError(Reason.BACKEND_REFS_MISSING, f"{self.where} has no rule with backendRefs to both "
                                                    f"Service {self.stable} and Service {self.canary}")
         return pairs
 
@@ -66,11 +67,11 @@ class GatewayAPIRouter:
         try:
             await self.kube.merge_patch(httproute_path(self.namespace, self.route), body)
         except KubeError as e:
-            raise RouteError("HTTPRouteUpdateFailed", f"{self.where}: {e.message}") from None
+            raise RouteError(Reason.HTTP_ROUTE_UPDATE_FAILED, f"{self.where}: {e.message}") from None
 
     async def finalize(self) -> None:
         try:
             await self.set_weight(0)
         except RouteError as e:
-            if e.reason != "HTTPRouteMissing":
+            if e.reason != Reason.HTTP_ROUTE_MISSING:
                 raise
