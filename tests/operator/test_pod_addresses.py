@@ -98,8 +98,8 @@ async def test_a_pod_labelled_into_two_fleets_makes_no_overlap(cluster, namespac
             "spec": {"selector": {"matchLabels": {"tier": "batch"}}, "patches": []}})
         await trap(cluster, namespace, "trap-both", decoy, labels={"app": "llm-engine", "tier": "batch"})
         await operator()
-        await create(cluster, namespace, manifest(prometheus))
-        obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Promoted", "Failed"), 60,
+        await create(cluster, namespace, manifest(prometheus, steps=[{"weight": 100}]))   # one step will do
+        obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Promoted", "Failed"), 90,
                           what="the rollout to end")
         assert obj["status"]["phase"] == "Promoted", obj["status"]
         assert obj["status"]["fleet"] == "llm-engine"
