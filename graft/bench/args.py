@@ -64,13 +64,15 @@ def _spec(values: Mapping[str, int]) -> str:
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("suite", nargs="?", default="all",
-                   choices=["all", "throughput", "patches", "apply", "kernels", "workload", "shadow"],
+                   choices=["all", "throughput", "patches", "apply", "kernels", "workload", "shadow", "operator"],
                    help="throughput: the engine against a baseline on BBH CoT prompts; patches: the 3.2.1 set vs "
                         "the plain 3.2.0 paths; apply: hot-patch apply latency under load; kernels: the Triton "
                         "kernels against their torch twins (a GPU; on a CPU a small smoke run in the interpreter); "
                         "workload: BBH, GSM8K and HumanEval alone vs mixed, and a concurrency sweep (not in all: "
                         "it runs for many minutes); shadow: what the shadow comparison of a patched engine costs "
-                        "its clients, off vs on (not in all; -n 48 and --rounds 2 make a useful run)")
+                        "its clients, off vs on (not in all; -n 48 and --rounds 2 make a useful run); operator: "
+                        "the real operator against the API server emulator and engine stand-ins, by fleet size "
+                        "and concurrent rollouts (not in all; no model is loaded)")
     p.add_argument("--data-dir", default=None,
                    help="folder holding bbh/ (and gsm8k/, humaneval/ for the workload suite; default: "
                         "$GRAFT_DATA_DIR)")
@@ -124,4 +126,28 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help=f"workload: the concurrencies of the sweep (default {','.join(map(str, SWEEP))})")
     p.add_argument("--sweep-waves", type=int, default=2,
                    help="workload: requests per sweep point, in multiples of its concurrency")
+    o = p.add_argument_group("operator suite")
+    o.add_argument("--fleet-sizes", type=size_list, default=[10, 100, 1000], metavar="N,N",
+                   help="operator: pods of the one fleet of each case ('' for none)")
+    o.add_argument("--concurrent-rollouts", type=size_list, default=[1, 10, 50], metavar="R,R",
+                   help="operator: rollouts at once, each over a fleet of its own ('' for none)")
+    o.add_argument("--rollout-fleet-size", type=_positive, default=10, metavar="N",
+                   help="operator: pods of each fleet in the concurrent-rollouts cases")
+    o.add_argument("--tick", type=float, default=5.0, help="operator: its tick (GRAFT_TICK_SECONDS)")
+    o.add_argument("--ticks", type=_positive, default=4, help="operator: ticks sampled at rest and while rolling")
+    o.add_argument("--standin-latency", type=float, default=0.0, metavar="S",
+                   help="operator: seconds an engine stand-in takes to answer an admin call")
+    o.add_argument("--standin-failure-rate", type=float, default=0.0, metavar="P",
+                   help="operator: share of admin calls the stand-ins answer 503")
+    o.add_argument("--operator-source", default=None, metavar="DIR",
+                   help="operator: run the operator from this source tree (holding graft/), e.g. an exported "
+                        "earlier commit, to compare before and after")
+    o.add_argument("--operator-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="operator: a further setting for the operator process (repeatable), e.g. "
+                        "GRAFT_FLEET_RESYNC_SECONDS=60")
     add_engine_args(p)
+
+
+def size_list(text: str) -> list[int]:
+    """An argparse type: `10,100,1000` -> [10, 100, 1000]; an empty text -> [] (the sweep skipped)."""
+    return sorted({_positive(x) for x in text.split(",") if x.strip()})

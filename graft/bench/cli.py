@@ -1,4 +1,4 @@
-"""`graft bench [all|throughput|patches|apply|kernels|workload|shadow]`: run the suites, print tables, write JSON and PNGs."""
+"""`graft bench [all|throughput|patches|apply|kernels|workload|shadow|operator]`: run the suites, print tables, write JSON and PNGs."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +19,9 @@ EXIT_BAD_INPUT, EXIT_BUSY = 2, 3
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.suite == "operator":
+        operator_config(args).check()
+        return
     for name in ("num_prompts", "concurrency", "max_tokens", "cycles", "rounds", "light_concurrency", "sweep_waves"):
         value = getattr(args, name)
         if value < 1:
@@ -49,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         _check(args)
         config = config_from_args(args)     # also resolves --dtype auto, for the baseline to match
-        data_dir = None if args.suite == "kernels" else str(resolve_data_dir(args.data_dir))
+        data_dir = None if args.suite in ("kernels", "operator") else str(resolve_data_dir(args.data_dir))
         if args.suite == "workload":
             require_workload_data(data_dir)
     except (ValueError, FileNotFoundError) as exc:
@@ -82,6 +85,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _run(suite: str, args: argparse.Namespace, dtype: str, data_dir: str | None, out: Path) -> int:
     """One suite; returns how many benchmark requests (or kernel cases) failed."""
+    if suite == "operator":
+        return _run_operator(args, out)
     if suite == "kernels":
         from graft.bench.kernels import run_kernels
         return run_kernels(out / "kernels.json", quick=args.quick, budget_s=args.budget_s)
@@ -118,3 +123,25 @@ def _run(suite: str, args: argparse.Namespace, dtype: str, data_dir: str | None,
         return result["plain"]["errors"] + result["patched"]["errors"]
     result = run_apply(cfg, out)
     return result["background_load"].errors
+
+
+def operator_config(args: argparse.Namespace):
+    """The operator suite's configuration from its flags."""
+    from graft.bench.operator import OperatorBenchConfig
+    env = {}
+    for item in args.operator_env:
+        name, eq, value = item.partition("=")
+        if not eq or not name.startswith("GRAFT_"):
+            raise ValueError(f"--operator-env {item!r}: expected GRAFT_NAME=VALUE")
+        env[name] = value
+    return OperatorBenchConfig(
+        fleet_sizes=args.fleet_sizes, rollouts=args.concurrent_rollouts, rollout_fleet_size=args.rollout_fleet_size,
+        tick=args.tick, ticks=args.ticks, latency=args.standin_latency, failure_rate=args.standin_failure_rate,
+        operator_source=args.operator_source, operator_env=env)
+
+
+def _run_operator(args: argparse.Namespace, out: Path) -> int:
+    """The operator suite (no engine, no data): 0 when every case ran."""
+    from graft.bench.operator import run_operator_bench
+    run_operator_bench(operator_config(args), out)
+    return 0
