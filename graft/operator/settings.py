@@ -16,6 +16,11 @@ unless `GRAFT_ADMIN_PLAIN_HTTP=true` opts out (one machine's loopback, as the de
 engine refusing the token is retried for `GRAFT_ADMIN_TOKEN_GRACE` seconds (a rotation reaches the
 operator and the engines at different moments) before the rollout fails.
 
+The fleet controller knows what each engine runs from what the operator did and from its
+container's identity (graft.operator.revisions), and asks an engine again only after
+`GRAFT_FLEET_RESYNC_SECONDS` (300, jittered), at most `GRAFT_FLEET_ADMIN_CONCURRENCY` (8) questions
+of one fleet in flight at once.
+
 Prometheus: `GRAFT_PROMETHEUS_ADDRESS` for rollouts that name none; a rollout may name another
 only when it lies under one of `GRAFT_PROMETHEUS_ALLOWED` (comma-separated URL prefixes: scheme,
 host and port exact, the path a prefix; the default address is always allowed). The Secrets a
@@ -52,6 +57,8 @@ class OperatorSettings:
     admin_timeout: float = 60.0            # seconds per admin API call: an apply runs the self-check (seconds on a CPU)
     admin_concurrency: int = 16            # admin API calls in flight at once
     admin_retries: int = 2                 # retries of a call that did not reach the engine
+    fleet_resync: float = 300.0            # seconds before an engine's known revision is asked again (jittered)
+    fleet_admin_concurrency: int = 8       # a fleet's revision questions in flight at once
     prometheus_timeout: float = 5.0
     prometheus_address: str = "http://prometheus.monitoring:9090"   # for rollouts that name none
     prometheus_allowed: list[str] = field(default_factory=list)     # other addresses rollouts may name (prefixes)
@@ -70,6 +77,10 @@ class OperatorSettings:
             raise ValueError("GRAFT_ADMIN_CA_FILE is for https: leave GRAFT_ADMIN_SCHEME unset or set it to https")
         if self.admin_scheme == "http" and not self.admin_plain_http:
             raise ValueError(PLAIN_HTTP_REFUSED)
+        if self.fleet_resync <= 0:
+            raise ValueError("GRAFT_FLEET_RESYNC_SECONDS must be positive")
+        if self.fleet_admin_concurrency < 1:
+            raise ValueError("GRAFT_FLEET_ADMIN_CONCURRENCY must be at least 1")
         if self.admin_token_grace < 0:
             raise ValueError("GRAFT_ADMIN_TOKEN_GRACE must not be negative")
         for prefix in [self.prometheus_address, *self.prometheus_allowed]:
@@ -112,6 +123,8 @@ class OperatorSettings:
             admin_timeout=number("GRAFT_ADMIN_TIMEOUT", 60.0),
             admin_concurrency=int(number("GRAFT_ADMIN_CONCURRENCY", 16)),
             admin_retries=int(number("GRAFT_ADMIN_RETRIES", 2)),
+            fleet_resync=number("GRAFT_FLEET_RESYNC_SECONDS", 300.0),
+            fleet_admin_concurrency=int(number("GRAFT_FLEET_ADMIN_CONCURRENCY", 8)),
             prometheus_timeout=number("GRAFT_PROMETHEUS_TIMEOUT", 5.0),
             prometheus_address=env.get("GRAFT_PROMETHEUS_ADDRESS") or "http://prometheus.monitoring:9090",
             prometheus_allowed=_names(env.get("GRAFT_PROMETHEUS_ALLOWED")),
