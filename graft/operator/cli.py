@@ -28,17 +28,21 @@ wrong".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+import httpx
 from rich.console import Console
 
-from graft.api import API_VERSION, FINAL_PHASES, FLEETS, GROUP, ROLLOUTS as PLURAL, VERSION, Reason
+from graft.api import API_VERSION, FINAL_PHASES, Reason
+from graft.operator.kube import (Kube, KubeError, SyncKube, events_path, fleet_path, fleets_path, pods_path,
+                                 rollout_path, rollouts_path)
+from graft.operator.kubeconfig import KubeconfigError, load_credentials
+from graft.operator.podview import condition
 from graft.operator.render import (HISTORY_COLUMNS, PHASE_STYLE, age, history_rows, print_table, render_status,
                                    steps_of)
 
@@ -74,9 +78,13 @@ def main_rollout(argv: Sequence[str] | None = None, console: Console | None = No
     console = console or Console()
     try:
         api, namespace = _client(args.kubeconfig, args.context, args.namespace)
-        return args.run(api, namespace, args, console)
+        with api:
+            return args.run(api, namespace, args, console)
     except CliError as e:
         console.print(f"[red]error:[/red] {e}")
+        return FAILED
+    except httpx.TransportError as e:        # the API server did not answer at all
+        console.print(f"[red]error:[/red] cannot reach the API server: {type(e).__name__}: {e}")
         return FAILED
 
 
@@ -131,27 +139,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _client(kubeconfig: str | None, context: str | None, namespace: str | None):
-    import kubernetes
-
+def _client(kubeconfig: str | None, context: str | None, namespace: str | None) -> tuple[SyncKube, str]:
+    """Graft's Kubernetes client, logged in as kubectl would be (graft.operator.kubeconfig), and the
+    namespace: `-n`, else the context's (in a pod: its own)."""
     try:
-        if kubeconfig is None and context is None and _in_cluster():
-            kubernetes.config.load_incluster_config()
-            default_ns = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text().strip()
-        else:
-            kubernetes.config.load_kube_config(config_file=kubeconfig, context=context)
-            _, active = kubernetes.config.list_kube_config_contexts(config_file=kubeconfig)
-            if context:
-                contexts, _ = kubernetes.config.list_kube_config_contexts(config_file=kubeconfig)
-                active = next((c for c in contexts if c["name"] == context), active)
-            default_ns = (active.get("context") or {}).get("namespace") or "default"
-    except (kubernetes.config.ConfigException, OSError) as e:
+        creds = load_credentials(kubeconfig, context)
+    except KubeconfigError as e:
         raise CliError(f"cannot load Kubernetes credentials: {e}") from None
-    return kubernetes.client.CustomObjectsApi(), namespace or default_ns
+    return SyncKube(lambda: Kube.from_credentials(creds)), namespace or creds.namespace
 
 
-def _in_cluster() -> bool:
-    return "KUBERNETES_SERVICE_HOST" in os.environ and not os.environ.get("KUBECONFIG")
+def _refusal(e: KubeError) -> str:
+    return f"{e.status} {e.reason or 'refused'}: {e.message}" if e.message else f"{e.status} {e.reason}"
 
 
 def _get(api, namespace: str, name: str) -> dict[str, Any]:
@@ -163,24 +162,23 @@ def _get(api, namespace: str, name: str) -> dict[str, Any]:
 
 def _read(api, namespace: str, name: str) -> dict[str, Any] | None:
     """The rollout, or None when there is none of that name."""
-    from kubernetes.client.exceptions import ApiException
-
     try:
-        return api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-    except ApiException as e:
-        if e.status == 404:
-            return None
-        raise CliError(f"cannot read PatchRollout {namespace}/{name}: {e.status} {e.reason}") from None
+        return api.get(rollout_path(namespace, name))
+    except KubeError as e:
+        raise CliError(f"cannot read PatchRollout {namespace}/{name}: {_refusal(e)}") from None
 
 
-def _patch(api, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
-    from kubernetes.client.exceptions import ApiException
-
+def _patch(api: SyncKube, namespace: str, name: str, body: dict[str, Any], subresource: str = "") -> dict[str, Any]:
+    """A merge patch of the rollout (or of its `subresource`); CliError when it is gone or refused."""
     _get(api, namespace, name)
+    what = f"the {subresource} of " if subresource else ""
     try:
-        return api.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, body)
-    except ApiException as e:
-        raise CliError(f"cannot change PatchRollout {namespace}/{name}: {e.status} {e.reason}") from None
+        patched = api.merge_patch(rollout_path(namespace, name) + (f"/{subresource}" if subresource else ""), body)
+    except KubeError as e:
+        raise CliError(f"cannot change {what}PatchRollout {namespace}/{name}: {_refusal(e)}") from None
+    if patched is None:
+        raise CliError(f"PatchRollout {namespace}/{name} not found")
+    return patched
 
 
 def _annotate(api, namespace: str, name: str, key: str, value: str) -> None:
@@ -224,8 +222,6 @@ def _abort(api, namespace, args, console) -> int:
 
 def _retry(api, namespace, args, console) -> int:
     """Start a RolledBack or Failed rollout again from its first step: its controls and status cleared."""
-    from kubernetes.client.exceptions import ApiException
-
     phase = (_get(api, namespace, args.name).get("status") or {}).get("phase")
     if phase not in ("RolledBack", "Failed"):
         raise CliError(f"PatchRollout {namespace}/{args.name} is {phase or 'Pending'}: only a RolledBack or "
@@ -233,11 +229,7 @@ def _retry(api, namespace, args, console) -> int:
     _patch(api, namespace, args.name, {"metadata": {"annotations": {"graft.dev/abort": None,
                                                                     "graft.dev/promote": None,
                                                                     "graft.dev/resume": None}}})
-    try:
-        api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, args.name, {"status": None})
-    except ApiException as e:
-        raise CliError(f"cannot reset the status of PatchRollout {namespace}/{args.name}: {e.status} {e.reason}") \
-            from None
+    _patch(api, namespace, args.name, {"status": None}, subresource="status")
     console.print(f"PatchRollout {namespace}/{args.name}: retrying from its first step (was {phase})")
     return 0
 
@@ -274,54 +266,45 @@ def _follow(api, namespace: str, obj: dict[str, Any], seconds: float) -> tuple[d
     unit); answer it as last seen, and whether it was deleted. Every change comes in order, so a
     final phase is seen even when the rollout is deleted right after it (the DELETED event carries
     the object as it last was)."""
-    import kubernetes
-    from kubernetes.client.exceptions import ApiException
-
     name = obj["metadata"]["name"]
+
+    async def follow(last: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        events = api.kube.watch(rollouts_path(namespace), field_selector=f"metadata.name={name}",
+                                resource_version=last["metadata"]["resourceVersion"],
+                                timeout_seconds=max(1, round(seconds)))
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if event.type in ("ADDED", "MODIFIED", "DELETED"):
+                    last = event.object
+                if event.type == "DELETED":
+                    return last, True
+        return last, False
+
     try:
-        for event in kubernetes.watch.Watch().stream(
-                api.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
-                field_selector=f"metadata.name={name}", resource_version=obj["metadata"]["resourceVersion"],
-                timeout_seconds=max(1, round(seconds))):
-            if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                obj = event["raw_object"]
-            if event["type"] == "DELETED":
-                return obj, True
-    except ApiException as e:
+        return api.run(follow(obj))
+    except KubeError as e:
         if e.status != 410:
-            raise CliError(f"cannot watch PatchRollout {namespace}/{name}: {e.status} {e.reason}") from None
+            raise CliError(f"cannot watch PatchRollout {namespace}/{name}: {_refusal(e)}") from None
         fresh = _read(api, namespace, name)        # the watch fell too far behind: read it anew
         return (obj, True) if fresh is None else (fresh, False)
-    return obj, False
 
 
 def _context(api, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
     """The Events posted on the rollout and the pods its selector matches, as `render_status` takes
     them. Events or pods this user may not read are left out."""
-    import kubernetes
-    from kubernetes.client.exceptions import ApiException
-
     from graft.rollout.spec import SpecError, parse_selector
 
     name = obj["metadata"]["name"]
-    core = kubernetes.client.CoreV1Api(api.api_client)
     try:
-        events = _items(core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}",
-                                                   _preload_content=False))
-    except ApiException:
+        events = api.list(events_path(namespace), field_selector=f"involvedObject.name={name}")
+    except KubeError:
         events = []
     try:
         selector = parse_selector((obj.get("spec") or {}).get("selector")).to_query()
-        pods = _items(core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))
-    except (ApiException, SpecError):
+        pods = api.list(pods_path(namespace), label_selector=selector)
+    except (KubeError, SpecError):
         pods = None
     return {"events": events, "pods": pods}
-
-
-def _items(response) -> list[dict[str, Any]]:
-    """The items of a list call made with `_preload_content=False`, as the API server sent them."""
-    return json.loads(response.data).get("items") or []
-
 
 
 # -- list -------------------------------------------------------------------------------------------
@@ -333,9 +316,9 @@ def _list(api, namespace, args, console) -> int:
     """Every PatchRollout and PatchFleet of the namespace (or of all), rollouts first, each kind by name."""
     where = None if args.all_namespaces else namespace
     now = time.time()
-    rollouts = _list_of(api, where, PLURAL, "PatchRollouts")
+    rollouts = _list_of(api, where, rollouts_path, "PatchRollouts")
     try:
-        fleets = _list_of(api, where, FLEETS, "PatchFleets")
+        fleets = _list_of(api, where, fleets_path, "PatchFleets")
         left_out = ""
     except CliError as e:
         fleets, left_out = [], str(e)
@@ -358,17 +341,16 @@ def _list(api, namespace, args, console) -> int:
     return 0
 
 
-def _list_of(api, namespace: str | None, plural: str, what: str) -> list[dict[str, Any]]:
-    from kubernetes.client.exceptions import ApiException
-
+def _list_of(api: SyncKube, namespace: str | None, path, what: str) -> list[dict[str, Any]]:
+    """The objects at `path(namespace)` (None: every namespace); CliError when refused or when the
+    API server knows no such kind (its CRD is not installed)."""
+    where = "" if namespace is None else f" in {namespace}"
     try:
-        if namespace is None:
-            got = api.list_cluster_custom_object(GROUP, VERSION, plural)
-        else:
-            got = api.list_namespaced_custom_object(GROUP, VERSION, namespace, plural)
-    except ApiException as e:
-        raise CliError(f"cannot list {what}{'' if namespace is None else f' in {namespace}'}: "
-                       f"{e.status} {e.reason}") from None
+        got = api.get(path(namespace))
+    except KubeError as e:
+        raise CliError(f"cannot list {what}{where}: {_refusal(e)}") from None
+    if got is None:
+        raise CliError(f"cannot list {what}{where}: 404 NotFound (is its CRD installed?)")
     return got.get("items") or []
 
 
@@ -399,9 +381,9 @@ def _fleet_row(obj: dict[str, Any], now: float) -> dict[str, Any]:
     """A fleet has no steps and no weight: its phase is its Converged condition (Converged, or the
     reason it is not: Converging, FleetOverlap), its revision what every pod runs (its stable side)."""
     meta, status = obj["metadata"], obj.get("status") or {}
-    converged = next((c for c in status.get("conditions") or [] if c.get("type") == "Converged"), None)
-    phase = ("Pending" if converged is None else "Converged" if converged.get("status") == "True"
-             else converged.get("reason") or Reason.CONVERGING)
+    converged = condition(obj, "Converged")
+    phase = ("Pending" if converged is None else "Converged" if converged.true
+             else converged.reason or Reason.CONVERGING)
     return {"namespace": meta.get("namespace", ""), "name": meta["name"], "kind": "PatchFleet", "phase": phase,
             "step": "-", "weight": "-", "canary": "", "stable": status.get("revision") or "", "age": _age(obj, now),
             "created": meta.get("creationTimestamp"), "pods": status.get("pods"),
@@ -421,8 +403,6 @@ def _undo(api, namespace, args, console) -> int:
     left nothing to undo), an upgrade (a revert would leave the pods with neither version), a fleet
     that no longer runs what the rollout left (a later rollout changed it), and a rollout that an
     earlier undo is still undoing."""
-    from kubernetes.client.exceptions import ApiException
-
     obj = _get(api, namespace, args.name)
     where = f"PatchRollout {namespace}/{args.name}"
     spec, status = obj.get("spec") or {}, obj.get("status") or {}
@@ -437,7 +417,7 @@ def _undo(api, namespace, args, console) -> int:
         raise CliError(f"{where} replaced {status['stablePatch']} with {ref}: a revert would leave the pods with "
                        f"neither; roll {status['stablePatch']} out again with a PatchRollout of its own")
     _fleet_still_runs(api, namespace, status.get("fleet"), ref, action, where, console)
-    rollouts = _list_of(api, namespace, PLURAL, "PatchRollouts")
+    rollouts = _list_of(api, namespace, rollouts_path, "PatchRollouts")
     busy = next((o for o in rollouts if (o["metadata"].get("annotations") or {}).get(UNDO_OF) == args.name
                  and _phase(o) not in FINAL_PHASES), None)
     if busy is not None:
@@ -453,12 +433,11 @@ def _undo(api, namespace, args, console) -> int:
             continue
         body["metadata"]["name"] = name
         try:
-            api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
-        except ApiException as e:
+            api.create(rollouts_path(namespace), body)
+        except KubeError as e:
             if e.status == 409:        # created meanwhile: the next name
                 continue
-            raise CliError(f"cannot create PatchRollout {namespace}/{name}: {e.status} {e.reason}"
-                           + _api_message(e)) from None
+            raise CliError(f"cannot create PatchRollout {namespace}/{name}: {_refusal(e)}") from None
         if args.output == "name":
             console.out(name, highlight=False)
         else:
@@ -478,15 +457,16 @@ def _fleet_still_runs(api, namespace: str, fleet: str | None, ref: str, action: 
     """Refuse when the rollout's PatchFleet runs something else now than what the rollout left: undoing
     it would take out (or put back) what a later rollout decided. A fleet that cannot be read is not
     checked (said so)."""
-    from kubernetes.client.exceptions import ApiException
-
     if not fleet:
         return
     try:
-        obj = api.get_namespaced_custom_object(GROUP, VERSION, namespace, FLEETS, fleet)
-    except ApiException as e:
-        console.print(f"[yellow]note:[/yellow] PatchFleet {namespace}/{fleet} not checked ({e.status} {e.reason})",
-                      highlight=False)
+        obj = api.get(fleet_path(namespace, fleet))
+    except KubeError as e:
+        obj, why = None, _refusal(e)
+    else:
+        why = "404 NotFound"
+    if obj is None:
+        console.print(f"[yellow]note:[/yellow] PatchFleet {namespace}/{fleet} not checked ({why})", highlight=False)
         return
     running = {p.get("name"): _ref(p) for p in (obj.get("spec") or {}).get("patches") or []}
     name = ref.partition("@")[0]
@@ -496,15 +476,6 @@ def _fleet_still_runs(api, namespace: str, fleet: str | None, ref: str, action: 
         raise CliError(f"{runs} now, not the {ref} that {where} applied: a later rollout changed it, undo that one")
     if action == "revert" and name in running:
         raise CliError(f"{runs} again since {where} reverted it: nothing to apply again")
-
-
-def _api_message(e) -> str:
-    """The API server's own words for a refusal (a Status body's message), if any."""
-    try:
-        message = json.loads(e.body).get("message")
-    except (TypeError, ValueError, AttributeError):
-        return ""
-    return f": {message}" if message else ""
 
 
 # -- history ----------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from graft.operator.kube import Kube, deployment_path, pods_path, replicaset_path, statefulset_path
+from graft.operator.podview import PodView
 from graft.rollout.observation import UNREACHABLE, PodObservation
 
 TRACK_LABEL = "graft.dev/track"
@@ -152,9 +153,8 @@ async def list_pods(kube: Kube, namespace: str, selector: str) -> list[dict[str,
 
 
 def is_ready(pod: dict[str, Any]) -> bool:
-    status = pod.get("status") or {}
-    conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
-    return status.get("phase") == "Running" and bool(status.get("podIP")) and conditions.get("Ready") == "True"
+    """Running, with an IP, and Ready (every readiness gate included)."""
+    return PodView.of(pod).ready
 
 
 def _engine_container(pod: dict[str, Any]) -> dict[str, Any] | None:
@@ -173,17 +173,13 @@ def admin_address(pod: dict[str, Any], port: int) -> tuple[str, int] | None:
 
 def observe_pod(pod: dict[str, Any]) -> PodObservation:
     """The Kubernetes half of a pod's observation; the engine's revision is filled in by the caller."""
-    meta = pod["metadata"]
+    view = PodView.of(pod)
     container = _engine_container(pod)
-    statuses = (pod.get("status") or {}).get("containerStatuses") or []
-    cs = next((s for s in statuses if container and s.get("name") == container.get("name")), None)
-    cs = cs or (statuses[0] if statuses else {})
+    cs = view.container_status(container.get("name") if container else None)
     return PodObservation(
-        name=meta["name"], uid=meta.get("uid", ""),
-        container_id=cs.get("containerID") or "", restart_count=int(cs.get("restartCount") or 0),
-        ready=is_ready(pod),
-        track=(meta.get("labels") or {}).get(TRACK_LABEL),
-        patches=(meta.get("annotations") or {}).get(PATCHES_ANNOTATION),
+        name=view.name, uid=view.uid,
+        container_id=cs.container_id if cs else "", restart_count=cs.restart_count if cs else 0,
+        ready=view.ready, track=view.labels.get(TRACK_LABEL), patches=view.annotations.get(PATCHES_ANNOTATION),
     )
 
 

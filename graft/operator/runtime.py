@@ -10,8 +10,9 @@ from typing import Any
 import kopf
 
 from graft.api import Reason
-from graft.operator.admin import AdminClient
+from graft.adminapi import AdminClient
 from graft.operator.kube import Kube, KubeError, secret_path, secret_value
+from graft.operator.kubeconfig import load_credentials
 from graft.operator.metrics import OperatorMetrics
 from graft.operator.problems import PrometheusRefused, SecretError, TokenError
 from graft.operator.prometheus import PrometheusProvider, address_allowed
@@ -45,10 +46,8 @@ class Runtime:
         s = self.settings
         if s.kube_server:
             info = kopf.ConnectionInfo(server=s.kube_server, insecure=True)
-        elif s.kubeconfig:
+        else:       # GRAFT_KUBECONFIG, else the service account in a pod, else $KUBECONFIG or ~/.kube/config
             info = await asyncio.to_thread(_from_kubeconfig, s.kubeconfig, s.kube_context)
-        else:
-            info = kopf.login_via_client(logger=logger, **kwargs)
         if info is not None:
             await self.connect(info)
             await self._check_token(logger)
@@ -173,16 +172,13 @@ class Runtime:
             await self.kube.aclose()
 
 
-def _from_kubeconfig(path: str, context: str | None) -> kopf.ConnectionInfo:
-    """Credentials from a kubeconfig, through the kubernetes client (exec plugins, token files, ...)."""
-    import kubernetes
-
-    config = kubernetes.client.Configuration()
-    kubernetes.config.load_kube_config(config_file=path, context=context, client_configuration=config)
-    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
-    scheme, _, token = (header or "").rpartition(" ")
+def _from_kubeconfig(path: str | None, context: str | None) -> kopf.ConnectionInfo:
+    """kopf's connection from the credentials Graft's own client uses (graft.operator.kubeconfig:
+    a kubeconfig's context, token files, client certificates, exec plugins; a pod's service account)."""
+    creds = load_credentials(path, context)
     return kopf.ConnectionInfo(
-        server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
-        username=config.username or None, password=config.password or None,
-        scheme=scheme or None, token=token or None,
-        certificate_path=config.cert_file, private_key_path=config.key_file)
+        server=creds.server, ca_data=creds.ca_data, insecure=creds.insecure,
+        username=creds.username, password=creds.password, token=creds.token,
+        scheme="Bearer" if creds.token else None,
+        certificate_data=creds.certificate, private_key_data=creds.private_key,
+        default_namespace=creds.namespace)
