@@ -765,3 +765,36 @@ def test_a_generated_admin_certificate_names_the_engine_service_and_is_signed_by
 def test_the_chart_refuses_an_admin_api_without_tls_unless_opted_out(chart, values, words):
     with pytest.raises(Exception, match=words):
         render(chart, values)
+
+
+def test_notification_receivers_reach_the_operator_with_urls_from_their_secrets(chart):
+    """The operator reads what the chart renders (graft.operator.notify.receivers_from_env), and no
+    URL is ever written into the rendered objects."""
+    from graft.operator.notify import receivers_from_env
+
+    values = {"notifications": {"receivers": [
+        {"name": "deploys", "type": "slack", "secret": {"name": "graft-notifications", "key": "slack-url"}},
+        {"name": "audit", "type": "webhook", "secret": {"name": "audit", "key": "url"},
+         "moments": ["started", "promoted"]}]}}
+    (operator,) = containers(one(render(chart, values), "StatefulSet"))
+    env = env_of(operator)
+    assert env["GRAFT_NOTIFY_URL_0"]["valueFrom"]["secretKeyRef"] == {"name": "graft-notifications", "key": "slack-url"}
+    assert env["GRAFT_NOTIFY_URL_1"]["valueFrom"]["secretKeyRef"] == {"name": "audit", "key": "url"}
+    # what the pod would see once Kubernetes filled the variables from the Secrets
+    seen = {"GRAFT_NOTIFICATIONS": env["GRAFT_NOTIFICATIONS"]["value"],
+            "GRAFT_NOTIFY_URL_0": "https://hooks.slack.example/T/B/x", "GRAFT_NOTIFY_URL_1": "http://audit.local/in"}
+    deploys, audit = receivers_from_env(seen)
+    assert (deploys.name, deploys.kind, deploys.url) == ("deploys", "slack", "https://hooks.slack.example/T/B/x")
+    assert [m.value for m in audit.moments] == ["started", "promoted"]
+    assert "GRAFT_NOTIFICATIONS" not in env_of(containers(one(render(chart, {}), "StatefulSet"))[0])
+
+
+@pytest.mark.parametrize("receiver", [
+    {"name": "deploys", "type": "teams", "secret": {"name": "s", "key": "k"}},
+    {"name": "deploys", "type": "slack", "url": "https://hooks.slack.example/T/B/x"},
+    {"name": "deploys", "type": "slack", "secret": {"name": "s", "key": "k"}, "moments": ["finished"]},
+])
+def test_a_notification_receiver_without_a_secret_or_of_an_unknown_kind_is_refused(chart, receiver):
+    with pytest.raises((helm.HelmValuesError, helm.HelmRenderError)) as err:
+        render(chart, {"notifications": {"receivers": [receiver]}})
+    assert "/notifications/receivers/0" in str(err.value)

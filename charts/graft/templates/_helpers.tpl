@@ -135,3 +135,14 @@ app.kubernetes.io/component: engine
 {{- fail "monitoring.prometheusOperator.enabled without engine.enabled needs monitoring.prometheusOperator.podSelector: which engine pods to scrape" -}}
 {{- end -}}
 {{- end -}}
+
+{{/* GRAFT_NOTIFICATIONS: the receivers as the operator reads them, each URL named by its variable. */}}
+{{- define "graft.notificationReceivers" -}}
+{{- $out := list -}}
+{{- range $i, $r := .Values.notifications.receivers -}}
+{{- $item := dict "name" $r.name "type" $r.type "urlEnv" (printf "GRAFT_NOTIFY_URL_%d" $i) -}}
+{{- if hasKey $r "moments" }}{{- $_ := set $item "moments" $r.moments -}}{{- end -}}
+{{- $out = append $out $item -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
