@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graft.api import config_digest
-from graft.operator.admin import AdminClient, AdminError, EngineAnswer
+from graft.adminapi import AdminClient, AdminError, EngineAnswer
 from graft.rollout.observation import PodObservation
 
 Address = tuple[str, int]
@@ -205,13 +205,3 @@ async def engine_answer(book: RevisionBook, admin, address: Address, container: 
     book.learn(address, container, answer)
     return answer
 
-
-def book_of(runtime) -> RevisionBook:
-    """The operator's one book (made on first use, with `runtime.settings.fleet_resync`), and its
-    admin client made a `RecordingAdmin`, so every apply and revert (a rollout's canaries, a fleet's
-    convergence) is written in it."""
-    book = getattr(runtime, "revisions", None)
-    if book is None:
-        book = runtime.revisions = RevisionBook(runtime.settings.fleet_resync)
-        runtime._admin = RecordingAdmin(runtime._admin, book)      # noqa: SLF001 - see the docstring
-    return book

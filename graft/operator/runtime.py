@@ -16,6 +16,7 @@ from graft.operator.kubeconfig import load_credentials
 from graft.operator.metrics import OperatorMetrics
 from graft.operator.problems import PrometheusRefused, SecretError, TokenError
 from graft.operator.prometheus import PrometheusProvider, address_allowed
+from graft.operator.revisions import RecordingAdmin, RevisionBook
 from graft.operator.settings import OperatorSettings
 from graft.rollout.observation import Problem
 from graft.rollout.spec import PrometheusSource
@@ -29,10 +30,13 @@ class Runtime:
         self.settings = settings
         self.kube: Kube | None = None
         self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._admin = AdminClient(settings.admin_token, scheme=settings.admin_scheme,
-                                  timeout=settings.admin_timeout, concurrency=settings.admin_concurrency,
-                                  retries=settings.admin_retries, ca_file=settings.admin_ca_file,
-                                  tls_server_name=settings.admin_tls_server_name)
+        # what each engine runs, known from the operator's own applies and reverts (every one goes
+        # through this client) and from container identity; the fleet asks engines only beyond it
+        self.revisions = RevisionBook(settings.fleet_resync)
+        self._admin = RecordingAdmin(AdminClient(
+            settings.admin_token, scheme=settings.admin_scheme, timeout=settings.admin_timeout,
+            concurrency=settings.admin_concurrency, retries=settings.admin_retries, ca_file=settings.admin_ca_file,
+            tls_server_name=settings.admin_tls_server_name), self.revisions)
         self._token_read_at = float("-inf")
         # namespace/pod -> (when its engine first refused the token, refusals in a row since)
         self.unauthorized: dict[str, tuple[float, int]] = {}
@@ -70,7 +74,7 @@ class Runtime:
         if old is not None:
             await old.aclose()
 
-    async def admin(self) -> AdminClient:
+    async def admin(self) -> RecordingAdmin:
         """The admin API client with a current token; raises TokenError when the Secret is missing."""
         s = self.settings
         if s.admin_token_secret and time.monotonic() - self._token_read_at > s.admin_token_ttl:

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from graft.api import config_digest
-from graft.operator.admin import AdminClient, AdminError, EngineAnswer
+from graft.adminapi import AdminClient, AdminError, EngineAnswer
 from graft.operator.revisions import Container, RecordingAdmin, RevisionBook, engine_answer
 
 from operator_cluster import TOKEN
