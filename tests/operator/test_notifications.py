@@ -11,7 +11,6 @@ import json
 import time
 
 import pytest
-from aiohttp import web
 from hypothesis import given, settings, strategies as st
 
 from graft.api import Reason
@@ -20,6 +19,7 @@ from graft.operator.notify import (NotifyConfigError, Notifier, Receiver, receiv
 from graft.operator.outbox import Delivery, Outbox
 from graft.rollout.decision import Event
 from graft.rollout.notifications import DEFAULT_MOMENTS, Moment, moments, payload
+from receivers import receivers  # noqa: F401 (a fixture)
 
 ROLLOUT = {"metadata": {"name": "kv-align", "namespace": "serving", "uid": "u-1"},
            "spec": {"patch": {"name": "kv-align", "version": "3.2.1"},
@@ -133,40 +133,6 @@ def test_a_bad_receiver_configuration_is_refused_naming_what_is_wrong(config, en
 
 
 # -- delivery: real receivers, bounded --------------------------------------------------------------
-
-class Receivers:
-    """HTTP receivers on 127.0.0.1: /ok records, /flaky fails twice then records, /down always 500,
-    /hang never answers."""
-
-    def __init__(self):
-        self.got: dict[str, list[dict]] = {}
-        self.tries: dict[str, int] = {}
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        path = request.path.strip("/")
-        self.tries[path] = self.tries.get(path, 0) + 1
-        body = await request.json()
-        if path == "hang":
-            await asyncio.sleep(3600)
-        if path == "down" or (path == "flaky" and self.tries[path] <= 2):
-            return web.Response(status=500)
-        self.got.setdefault(path, []).append(body)
-        return web.json_response({"ok": True})
-
-
-@pytest.fixture
-async def receivers():
-    r = Receivers()
-    app = web.Application()
-    app.router.add_post("/{name}", r.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, shutdown_timeout=0.2)   # /hang's handlers are cut, not awaited
-    await site.start()
-    r.base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    yield r
-    await runner.cleanup()
-
 
 async def test_a_receiver_down_for_a_moment_still_gets_its_message(receivers):
     outbox = Outbox(backoff=0.01)
