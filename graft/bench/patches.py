@@ -12,7 +12,6 @@ patch's self-check probe).
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from graft.bench.loadgen import LoadGenerator, LoadReport, Request, percentile
 from graft.bench.method import alternation, load_average, ratio_spread
 from graft.engine.launcher import EngineProcess, launch_engine
 from graft.engine.patches.base import parse_patch_list
-from graft.operator.admin import AdminClient, AdminError
+from graft.adminapi import AdminCall, AdminClient, AdminError, ApplyRequest
 
 WARMUP = Request("The capital of France is", max_tokens=4)
 LIGHT_TASK = "sports_understanding"   # the shortest BBH prompts (~240 tokens): steps stay short
@@ -66,8 +65,8 @@ def _server(cfg: PatchesConfig, prefix_caching: bool) -> EngineProcess:
 
 
 @dataclass(frozen=True, slots=True)
-class AdminCall:
-    """One admin call: the engine's own answer and the client-side round trip."""
+class TimedCall:
+    """One admin call: the engine's own answer and the client-side round trip (the client's `on_call`)."""
 
     answer: dict[str, Any]
     round_trip_ms: float
@@ -77,36 +76,41 @@ class AdminCall:
         return float(self.answer["applyMs"])
 
 
-class TimedAdmin(AdminClient):
+class TimedAdmin:
     """The operator's admin client on one engine, giving each call's whole answer and round trip.
 
     No retries: a retried call would time two calls as one.
     """
 
     def __init__(self, engine: EngineProcess):
-        super().__init__(engine.token, timeout=120.0, retries=0)
+        self._last: AdminCall | None = None
+        self.client = AdminClient(engine.token, timeout=120.0, retries=0, on_call=self._record)
         self.host, self.port = engine.host, engine.admin_port
+
+    def _record(self, call: AdminCall) -> None:
+        self._last = call
 
     async def __aenter__(self) -> "TimedAdmin":
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+        await self.client.aclose()
 
     async def patches(self) -> dict[str, Any]:
-        return await self._call("GET", self.host, self.port, "/admin/patches")
+        return (await self.client.patches(self.host, self.port)).model_dump(by_alias=True)
 
-    async def _timed(self, method: str, path: str, **kwargs: Any) -> AdminCall:
-        t0 = time.perf_counter()
-        answer = await self._call(method, self.host, self.port, path, **kwargs)
-        return AdminCall(answer, (time.perf_counter() - t0) * 1000)
+    def _timed(self) -> TimedCall:
+        assert self._last is not None
+        return TimedCall(self._last.answer, self._last.round_trip_ms)
 
-    async def apply_builtin(self, name: str, version: str) -> AdminCall:
-        return await self._timed("POST", "/admin/patches",
-                                 json={"name": name, "version": version, "source": {"builtin": True}})
+    async def apply_builtin(self, name: str, version: str) -> TimedCall:
+        await self.client.apply_patch(self.host, self.port,
+                                      ApplyRequest(name=name, version=version, source={"builtin": True}))
+        return self._timed()
 
-    async def revert_patch(self, name: str) -> AdminCall:
-        return await self._timed("DELETE", f"/admin/patches/{name}")
+    async def revert_patch(self, name: str) -> TimedCall:
+        await self.client.revert_patch(self.host, self.port, name)
+        return self._timed()
 
 
 # ---- suite: patches ----

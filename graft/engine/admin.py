@@ -8,7 +8,8 @@ missing, untrusted or expired signature, one made for another config, a revoked 
 digest, or no trusted key configured), 404 for an unknown
 patch, 409 for a conflicting one, 422 when a patch fails its self-check (already reverted) or a
 bundle fails to load: it raises, exits, or overruns `--bundle-timeout`. Every error is JSON:
-`{"error": {"code", "message"}}`.
+`{"error": {"code", "message"}}`. The bodies are graft.adminapi.models' (shared with the client):
+a body breaking a field's rule is refused naming the field and the rule.
 
 `"replace": true` in a POST body swaps the applied version of that patch for the requested one in
 a single step-loop swap (one self-check; on failure the applied version stays). Without it another
@@ -35,8 +36,10 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
-from graft.api import NAME_RE, VERSION_RE
+from graft.adminapi.models import ApplyRequest, error_body, request_error
+from graft.api import NAME_RE
 from graft.engine.patches.base import PatchError
 from graft.engine.patches.manager import PatchManager
 
@@ -176,7 +179,7 @@ def _check_text(text: str, where: str) -> None:
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": status, "message": message}}, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
 def _check_name(name: object, field: str = "name") -> str:
@@ -217,23 +220,11 @@ def build_admin_app(manager: PatchManager, token: AdminToken | None) -> FastAPI:
         body = parse_body(await _read_body(request))
         if not isinstance(body, dict):
             raise PatchError(400, "the body must be a JSON object")
-        name, version, source = body.get("name"), body.get("version"), body.get("source")
-        config = body.get("config") or {}
-        replace = body.get("replace", False)
-        _check_name(name)
-        if not isinstance(version, str) or not VERSION_RE.fullmatch(version):
-            raise PatchError(400, "version: required, a version string")
-        if not isinstance(source, dict) or len(source.keys() & {"builtin", "module"}) != 1:
-            raise PatchError(400, "source: exactly one of {\"builtin\": true} or "
-                                  "{\"module\": ..., \"digest\": \"sha256:...\", \"signature\": ...}")
-        if "builtin" in source and source["builtin"] is not True:
-            raise PatchError(400, "source.builtin: must be true (a JSON boolean), not "
-                                  f"{json.dumps(source['builtin'])[:40]}")
-        if not isinstance(config, dict):
-            raise PatchError(400, "config: must be an object")
-        if not isinstance(replace, bool):
-            raise PatchError(400, "replace: must be true or false")
-        result = await manager.apply(name, version, source, config, replace=replace)
+        try:
+            req = ApplyRequest.model_validate(body)
+        except ValidationError as exc:
+            raise PatchError(400, request_error(exc)) from None
+        result = await manager.apply(req.name, req.version, req.source, req.settings, replace=req.replace)
         return JSONResponse(result)
 
     @app.delete("/admin/patches/{name}")
