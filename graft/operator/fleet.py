@@ -2,7 +2,9 @@
 
 Each tick (a kopf timer per PatchFleet) it lists the pods the fleet's selector matches, keeps the
 engines of a workload among them (`graft.operator.pods.Workloads`: any other pod is left alone and
-reported once, in a Warning Event NotAnEngine), asks each running engine its revision, calls the
+reported once, in a Warning Event NotAnEngine), learns what each running engine runs (from what the
+operator did and the container's identity, asking the engine only when that is missing or stale:
+graft.operator.revisions), calls the
 pure `graft.rollout.fleet.converge`, and carries out what it returns: pod labels and annotations
 first, then one admin call per pod, then the pod's readiness-gate condition `graft.dev/patched`. While a rollout is active on the fleet (its `status.fleet` names it),
 the pods the rollout acts on (Ready ones) are its own, and the rollout's patch is left alone.
@@ -31,6 +33,7 @@ from graft.operator import pods as podsmod
 from graft.operator.admin import AdminError
 from graft.operator.bundles import BundleError, load_source
 from graft.operator.kube import Kube, KubeError, fleet_path, pods_path, rollouts_path
+from graft.operator.revisions import Container, RevisionBook, engine_answer
 from graft.operator.runtime import Runtime, TokenError
 from graft.rollout.fleet import (PATCHED_CONDITION, ApplyPatch, FleetPod, MarkPod, RevertPatch, SetPatched,
                                  adopt, converge, desired_revision, with_promoted, without)
@@ -196,7 +199,10 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
     except TokenError as e:
         return await _write(runtime, body, {**old_status, "conditions": _conditions(
             old_status, False, e.problem.reason, e.problem.message, meta)}, strangers)
-    fleet_pods = await asyncio.gather(*(_observe(workloads, admin, p) for p in raw))
+    # engines are asked only where the operator's knowledge is missing or stale (graft.operator.revisions)
+    runtime.revisions.prune()
+    limit = asyncio.Semaphore(runtime.settings.fleet_admin_concurrency)
+    fleet_pods = await asyncio.gather(*(_observe(workloads, admin, p, runtime.revisions, limit) for p in raw))
     # The rollout and the fleet's patches are read only now, after the engines: a rollout stores its
     # status (active, on this fleet) before it touches a pod, and records a promotion here before it
     # stores Promoted, so an engine seen running a rollout's patch is never taken for drift and reverted.
@@ -252,7 +258,8 @@ async def _reread(runtime: Runtime, namespace: str, name: str, spec: FleetSpec) 
         return spec
 
 
-async def _observe(workloads: podsmod.Workloads, admin, pod: dict[str, Any]) -> FleetPod:
+async def _observe(workloads: podsmod.Workloads, admin, pod: dict[str, Any], book: RevisionBook,
+                   limit: asyncio.Semaphore) -> FleetPod:
     obs = podsmod.observe_pod(pod)
     fp = FleetPod(obs.name, running=_containers_running(pod), ready=obs.ready, track=obs.track,
                   patches=obs.patches, patched=_patched(pod))
@@ -263,7 +270,7 @@ async def _observe(workloads: podsmod.Workloads, admin, pod: dict[str, Any]) -> 
         if address is None:
             fp.error = "no pod IP yet"
             return fp
-        answer = await admin.state(*address)
+        answer = await engine_answer(book, admin, address, Container.of(obs), limit)
         fp.revision, fp.awaiting, fp.configs, fp.digests = answer.revision, answer.awaiting, answer.configs, answer.digests
     except (AdminError, podsmod.AddressError) as e:
         fp.error = str(e)
