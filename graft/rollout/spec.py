@@ -1,43 +1,53 @@
-"""The PatchRollout spec: the one config model, parsed from the manifest's `spec` dict.
+"""The PatchRollout spec as the operator runs it, read from the manifest's `spec` dict.
 
-`parse_spec` applies the same defaults as the CRD (crds/patchrollout.yaml) and checks everything
-the CRD checks, plus what a schema cannot say (steps strictly increasing, templates known), so the
-operator is safe against an older CRD or an API server that skips CEL rules. Every error names the
-field path, the way the API server does (`spec.steps[2].weight: ...`).
+The schema is graft.rollout.models: `parse_spec` validates through PatchRolloutSpec first (the CRD's
+defaults, bounds, patterns and CEL rules, the same model crds/patchrollout.yaml is generated from),
+so the operator refuses what the API server refuses even against an older CRD or one that skips CEL
+rules. What no schema can say stays here, as plain code run after the model, the way Argo's
+VerifyRolloutSpec runs after decoding:
+
+- templates: each referenced template's checks come first, the rollout's own replace those of the
+  same name and role; `{{args.NAME}}` filled from the template's and the rollout's arguments (an
+  argument must be one label value's worth);
+- the default analysis, only when the rollout names no checks and no template;
+- what each built-in metric takes (a rate's limits are fractions, maxRatio only for quantiles,
+  error-rate-delta needs max, ...) and its default window; a window or interval of at least 1s;
+- a custom query's template variables, and that every vector selector of a query written in the
+  rollout's namespace carries namespace="{{namespace}}";
+- names unique across the merged lists; gates take no `consecutive`.
+
+Every error names the field path, the way the API server does (`spec.steps[2].weight: ...`).
 """
 from __future__ import annotations
 
 import copy
-import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from graft.rollout import queries
-from graft.rollout.durations import DURATION_PATTERN, parse_duration
-from graft.api import patch_ref
+from pydantic import BaseModel, create_model
 
-PATCH_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
-PATCH_VERSION_PATTERN = r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$"
-DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
-METRIC_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
-K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+from graft.api import patch_ref
+from graft.rollout import queries
+from graft.rollout.durations import parse_duration
+from graft.rollout.models import analysistemplate as template_model
+from graft.rollout.models import common, patchfleet, patchrollout as model
+from graft.rollout.models.base import (DIGEST_PATTERN, DURATION_PATTERN, K8S_NAME_PATTERN, METRIC_NAME_PATTERN,
+                                       PATCH_NAME_PATTERN, PATCH_VERSION_PATTERN, ApiModel, FieldError,
+                                       validate)
+from graft.rollout.models.common import MAX_CHECKS, MAX_QUERY, MAX_SELECTOR_TERMS, SELECTOR_MUST_NAME, SELECTOR_OPERATORS
+from graft.rollout.models.patchfleet import DEFAULT_REVISION_HISTORY_LIMIT
+from graft.rollout.models.patchrollout import (DEFAULT_CONFIDENCE, DEFAULT_ERROR_LIMIT, DEFAULT_INCONCLUSIVE_LIMIT,
+                                               DEFAULT_MEASUREMENT_RETENTION, DEFAULT_OUTAGE_LIMIT,
+                                               DEFAULT_ROLLBACK_CONFIDENCE, DEFAULT_STEPS, MAX_MEASUREMENT_RETENTION,
+                                               MAX_STEPS)
+
+__all__ = ["DIGEST_PATTERN", "DURATION_PATTERN", "K8S_NAME_PATTERN", "METRIC_NAME_PATTERN", "PATCH_NAME_PATTERN",
+           "PATCH_VERSION_PATTERN", "MAX_CHECKS", "MAX_QUERY", "MAX_SELECTOR_TERMS", "MAX_STEPS",
+           "SELECTOR_MUST_NAME", "SELECTOR_OPERATORS", "DEFAULT_REVISION_HISTORY_LIMIT", "MAX_MEASUREMENT_RETENTION",
+           "FieldError", "SpecError", "parse_spec", "parse_fleet_spec", "parse_selector", "parse_ttl"]
+
 NO_DATA_POLICIES = ("hold", "fail", "pass")
-SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
-# A selector names its fleet by an equality or an `In` term: `NotIn`, `Exists` and `DoesNotExist`
-# alone reach pods nobody meant (a database of the namespace), and the operator relabels and calls
-# what it selects. The CRDs' CEL rule says the same.
-SELECTOR_MUST_NAME = ("must name the fleet: a matchLabels entry or an In expression "
-                      "(NotIn, Exists and DoesNotExist alone reach pods outside it)")
-# label keys and values as the API server validates them (an optional DNS-subdomain prefix, a name)
-LABEL_NAME_PATTERN = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
-LABEL_KEY_PATTERN = rf"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?{LABEL_NAME_PATTERN}"
-LABEL_VALUE_PATTERN = rf"({LABEL_NAME_PATTERN})?"
-MAX_STEPS = 20
-MAX_CHECKS = 20
-MAX_QUERY = 8192
-MAX_SELECTOR_TERMS = 16
 BREAKER, GATE = "breaker", "gate"
 APPLY, REVERT = "apply", "revert"
 STEP_WINDOW = "step"          # the traffic since the step was in place
@@ -64,6 +74,9 @@ BUILTIN_METRICS: dict[str, dict[str, Any]] = {
     # again at every step would throw its evidence away)
     "output-divergence": {"kind": "rate", "window": ROLLOUT_WINDOW},
 }
+# the model's enum and CEL rule name the same metrics (tests/rollout/test_crd.py holds them equal)
+assert tuple(BUILTIN_METRICS) == common.BUILTIN_METRIC_NAMES
+assert {m for m, b in BUILTIN_METRICS.items() if b["kind"] == "quantile"} == set(common.QUANTILE_METRICS)
 # The default analysis for a rollout that names no checks and no template. Absolute latency depends
 # on hardware, model and prompts, so latency is judged against stable; errors both ways.
 DEFAULT_BREAKERS: list[dict[str, Any]] = [
@@ -80,49 +93,27 @@ DEFAULT_GATES: list[dict[str, Any]] = [
     {"name": "error-rate-delta", "max": 0.001},
     {"name": "tpot-p99", "maxRatio": 1.2, "window": "60s"},
 ]
-DEFAULT_STEPS: list[dict[str, Any]] = [
-    {"weight": 1, "pause": "5m"},
-    {"weight": 5, "pause": "10m"},
-    {"weight": 20, "pause": "10m"},
-    {"weight": 50, "pause": "10m"},
-    {"weight": 100},
-]
-DEFAULT_CONFIDENCE = 0.95
-DEFAULT_ROLLBACK_CONFIDENCE = 0.999
-DEFAULT_INCONCLUSIVE_LIMIT = 20
-DEFAULT_ERROR_LIMIT = 4
-DEFAULT_OUTAGE_LIMIT = "10m"
-DEFAULT_MEASUREMENT_RETENTION = 10   # analysis runs kept in status.analysisHistory
-MAX_MEASUREMENT_RETENTION = 100
-DEFAULT_REVISION_HISTORY_LIMIT = 10   # finished PatchRollouts a PatchFleet keeps (its CRD default)
-# What the CRD defaults (the API server stores these); the checks themselves default in parse_spec,
-# because a rollout that names a template must not also get the default list.
-DEFAULTS: dict[str, Any] = {
-    "trafficRouting": {"podRatio": {}},
-    "steps": DEFAULT_STEPS,
-    "analysis": {
-        "interval": "30s",
-        "noData": "hold",
-        "confidence": DEFAULT_CONFIDENCE,
-        "rollbackConfidence": DEFAULT_ROLLBACK_CONFIDENCE,
-        "inconclusiveLimit": DEFAULT_INCONCLUSIVE_LIMIT,
-        "errorLimit": DEFAULT_ERROR_LIMIT,
-        "outageLimit": DEFAULT_OUTAGE_LIMIT,
-        "measurementRetention": DEFAULT_MEASUREMENT_RETENTION,
-    },
-    "progressDeadline": "30m",
-    "paused": False,
-    "action": "apply",
-}
 
 
-@dataclass(slots=True, frozen=True)
-class FieldError:
-    path: str
-    message: str
+def _model_defaults(cls: type[BaseModel]) -> dict[str, Any]:
+    """The defaults the CRD (generated from `cls`) fills in, as a manifest spells them."""
+    out = {}
+    for name, info in cls.model_fields.items():
+        if info.is_required() or info.default is None:
+            continue
+        value = info.default
+        if isinstance(value, BaseModel):
+            value = value.model_dump(mode="json", by_alias=True, exclude_none=True)
+        elif isinstance(value, list):
+            value = [v.model_dump(mode="json", by_alias=True, exclude_none=True) if isinstance(v, BaseModel) else v
+                     for v in value]
+        out[info.alias or name] = value
+    return out
 
-    def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
+
+# What the CRD defaults (the API server stores these), read off the model; the checks themselves
+# default in parse_spec, because a rollout that names a template must not also get the default list.
+DEFAULTS: dict[str, Any] = {k: v for k, v in _model_defaults(model.PatchRolloutSpec).items() if k != "patch"}
 
 
 class SpecError(ValueError):
@@ -299,13 +290,14 @@ class RolloutSpec:
         return self.steps[min(index, len(self.steps) - 1)]
 
 
+
 def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
     """`spec` with the CRD's defaults filled in (what the API server stores)."""
     out = copy.deepcopy(dict(spec))
     for key, value in DEFAULTS.items():
         if key not in out:
             out[key] = copy.deepcopy(value)
-        elif key == "analysis" and isinstance(out[key], dict):
+        elif key == "analysis" and isinstance(out[key], dict):   # the one object defaulted field by field
             for k, v in value.items():
                 out[key].setdefault(k, copy.deepcopy(v))
     return out
@@ -324,6 +316,16 @@ def template_refs(spec: Mapping[str, Any]) -> list[tuple[str, bool]]:
             if isinstance(t, Mapping) and isinstance(t.get("name"), str)]
 
 
+def _validated(cls: type[BaseModel], value: Any, path: str) -> Any:
+    """`value` through the model `cls`; SpecError naming every bad field."""
+    if not isinstance(value, Mapping):
+        raise SpecError([FieldError(path, "must be an object")])
+    obj, errors = validate(cls, dict(value), path)
+    if errors:
+        raise SpecError(errors)
+    return obj
+
+
 def parse_spec(spec: Mapping[str, Any], templates: Templates | None = None) -> RolloutSpec:
     """Parse and validate a PatchRollout `spec`; raises SpecError naming every bad field.
 
@@ -331,28 +333,41 @@ def parse_spec(spec: Mapping[str, Any], templates: Templates | None = None) -> R
     operator reads them from the API server. A template's checks come first, the rollout's own
     checks replace those of the same name and role.
     """
-    r = _Reader()
     if not isinstance(spec, Mapping):
         raise SpecError([FieldError("spec", "must be an object")])
-    spec = with_defaults(spec)
-    r.known(spec, "spec", ("selector", "patch", "trafficRouting", "steps", "analysis",
-                           "progressDeadline", "paused", "action", "ttlSecondsAfterFinished"))
-    action = spec.get("action", APPLY)
-    if action not in (APPLY, REVERT):
-        r.fail("spec.action", f"must be {APPLY} or {REVERT}")
-    selector = _selector(r, spec.get("selector"), "spec.selector")
-    patch = _patch(r, spec.get("patch"), "spec.patch")
-    routing = _routing(r, spec.get("trafficRouting"), "spec.trafficRouting")
-    steps = _steps(r, spec.get("steps"), "spec.steps")
-    analysis = _analysis(r, spec.get("analysis"), "spec.analysis", templates or {})
-    deadline = r.duration(spec, "progressDeadline", "spec")
-    if "progressDeadline" in spec and deadline <= 0 and not r.errors_at("spec.progressDeadline"):
+    m, errors = validate(model.PatchRolloutSpec, dict(spec), "spec")
+    if m is None:
+        # the checks the schema took are still judged by what their metric takes, so that every bad
+        # field is named at once
+        raise SpecError(_distinct(errors + _checks_alone(spec)))
+    r = _Errors()
+    analysis = _analysis(r, m.analysis, "spec.analysis", templates or {})
+    deadline = parse_duration(m.progress_deadline)
+    if deadline <= 0:
         r.fail("spec.progressDeadline", "must be longer than zero")
-    paused = r.boolean(spec, "paused", "spec")
-    ttl = r.integer(spec, "ttlSecondsAfterFinished", "spec", 0)
     if r.errors:
-        raise SpecError(r.errors)
-    return RolloutSpec(selector, patch, routing, steps, analysis, deadline, paused, action, ttl)
+        raise SpecError(_distinct(r.errors))
+    return RolloutSpec(selector_of(m.selector), _patch(m.patch), _routing(m.traffic_routing), _steps(m.steps),
+                       analysis, deadline, m.paused, m.action, m.ttl_seconds_after_finished)
+
+
+def _distinct(errors: list[FieldError]) -> list[FieldError]:
+    """Each error once (a rule the model states and the per-check reading may both name)."""
+    return list(dict.fromkeys(errors))
+
+
+def _checks_alone(spec: Mapping[str, Any]) -> list[FieldError]:
+    """What `_check` says of each check of a spec the model refused, the checks it took one by one
+    (their queries aside: the arguments they need may be what was refused)."""
+    r = _Errors()
+    analysis = spec.get("analysis")
+    for key, role in (("breakers", BREAKER), ("gates", GATE)):
+        items = analysis.get(key) if isinstance(analysis, Mapping) else None
+        for i, item in enumerate(items if isinstance(items, list) else ()):
+            c, errors = validate(common.Check, item, f"spec.analysis.{key}[{i}]")
+            if c is not None and c.query is None:
+                _check(r, c, {}, f"spec.analysis.{key}[{i}]", role)
+    return r.errors
 
 
 def parse_ttl(spec: Mapping[str, Any]) -> int | None:
@@ -361,15 +376,22 @@ def parse_ttl(spec: Mapping[str, Any]) -> int | None:
     What deletes a finished rollout reads this field only: the rest of its spec may no longer parse
     (an analysis template deleted since), and that must not keep it forever.
     """
-    r = _Reader()
-    ttl = r.integer(dict(spec), "ttlSecondsAfterFinished", "spec", 0) if isinstance(spec, Mapping) else None
-    if r.errors:
-        raise SpecError(r.errors)
-    return ttl
+    if not isinstance(spec, Mapping) or "ttlSecondsAfterFinished" not in spec:
+        return None
+    obj, errors = validate(_Ttl, {"ttlSecondsAfterFinished": spec["ttlSecondsAfterFinished"]}, "spec")
+    if errors:
+        raise SpecError(errors)
+    return obj.ttl_seconds_after_finished
 
 
-class _Reader:
-    """Typed field access that records an error per bad field instead of stopping at the first."""
+# the one field, with its type and bounds as the model declares them
+_Ttl = create_model("Ttl", __base__=ApiModel, ttl_seconds_after_finished=(
+    model.PatchRolloutSpec.model_fields["ttl_seconds_after_finished"].annotation,
+    model.PatchRolloutSpec.model_fields["ttl_seconds_after_finished"]))
+
+
+class _Errors:
+    """The errors of what runs after the model, gathered so every bad field is named at once."""
 
     def __init__(self) -> None:
         self.errors: list[FieldError] = []
@@ -381,328 +403,80 @@ class _Reader:
         return any(e.path == path or e.path.startswith(path + ".") or e.path.startswith(path + "[")
                    for e in self.errors)
 
-    def obj(self, value: Any, path: str, required: bool = True) -> dict | None:
-        if value is None:
-            if required:
-                self.fail(path, "required")
-            return None
-        if not isinstance(value, dict):
-            self.fail(path, "must be an object")
-            return None
-        return value
 
-    def known(self, d: dict, path: str, allowed: tuple[str, ...]) -> None:
-        for key in d:
-            if key not in allowed:
-                self.fail(f"{path}.{key}", f"unknown field (allowed: {', '.join(allowed)})")
-
-    def string(self, d: dict, key: str, path: str, pattern: str | None = None,
-               required: bool = True) -> str | None:
-        value = d.get(key)
-        where = f"{path}.{key}"
-        if value is None:
-            if required:
-                self.fail(where, "required")
-            return None
-        if not isinstance(value, str) or not value:
-            self.fail(where, "must be a non-empty string")
-            return None
-        if pattern and not re.fullmatch(pattern, value):
-            self.fail(where, f"{value!r} does not match {pattern}")
-            return None
-        return value
-
-    def number(self, d: dict, key: str, path: str, lo: float | None = None,
-               hi: float | None = None, open_lo: bool = False) -> float | None:
-        value = d.get(key)
-        if value is None:
-            return None
-        where = f"{path}.{key}"
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            self.fail(where, "must be a finite number")
-            return None
-        if lo is not None and (value < lo or (open_lo and value == lo)):
-            self.fail(where, f"must be {'greater than' if open_lo else 'at least'} {lo:g}")
-            return None
-        if hi is not None and value > hi:
-            self.fail(where, f"must be at most {hi:g}")
-            return None
-        return float(value)
-
-    def integer(self, d: dict, key: str, path: str, lo: int, hi: int | None = None) -> int | None:
-        value = d.get(key)
-        where = f"{path}.{key}"
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.fail(where, "must be an integer")
-            return None
-        if value < lo or (hi is not None and value > hi):
-            self.fail(where, f"must be between {lo} and {hi}" if hi is not None else f"must be at least {lo}")
-            return None
-        return value
-
-    def boolean(self, d: dict, key: str, path: str) -> bool:
-        value = d.get(key, False)
-        if not isinstance(value, bool):
-            self.fail(f"{path}.{key}", "must be true or false")
-            return False
-        return value
-
-    def duration(self, d: dict, key: str, path: str) -> float:
-        text = self.string(d, key, path, pattern=DURATION_PATTERN)
-        return parse_duration(text) if text else 0.0
+def selector_of(m: common.LabelSelector) -> LabelSelector:
+    """A validated selector model as the operator matches with it."""
+    return LabelSelector(dict(m.match_labels or {}),
+                         tuple((e.key, e.operator, tuple(e.values or ())) for e in m.match_expressions or ()))
 
 
-def _label_key(r: _Reader, key: Any, where: str) -> bool:
-    if not isinstance(key, str) or len(key) > 317 or not re.fullmatch(LABEL_KEY_PATTERN, key) \
-            or len(key.rpartition("/")[2]) > 63 or len(key.rpartition("/")[0]) > 253:
-        r.fail(where, f"{key!r} is not a valid label key (an optional DNS-subdomain prefix and '/', "
-                      "then at most 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric)")
-        return False
-    return True
+def _patch(m: common.Patch) -> PatchSpec:
+    src = m.source
+    source = (PatchSource(builtin=True) if src.builtin is not None else
+              PatchSource(False, src.config_map.name, src.config_map.key, src.digest))
+    return PatchSpec(m.name, m.version, source, copy.deepcopy(m.config or {}))
 
 
-def _label_value(r: _Reader, value: Any, where: str) -> bool:
-    if not isinstance(value, str) or len(value) > 63 or not re.fullmatch(LABEL_VALUE_PATTERN, value):
-        r.fail(where, f"{value!r} is not a valid label value (at most 63 letters, digits, '-', '_' or '.', "
-                      "starting and ending alphanumeric)")
-        return False
-    return True
-
-
-def _selector(r: _Reader, value: Any, path: str) -> LabelSelector:
-    d = r.obj(value, path)
-    if d is None:
-        return LabelSelector()
-    r.known(d, path, ("matchLabels", "matchExpressions"))
-    errors_before = len(r.errors)
-    labels = d.get("matchLabels") or {}
-    if not isinstance(labels, dict):
-        r.fail(f"{path}.matchLabels", "must map label names to string values")
-        labels = {}
-    labels = {k: v for k, v in labels.items()
-              if _label_key(r, k, f"{path}.matchLabels") and _label_value(r, v, f"{path}.matchLabels.{k}")}
-    raw = d.get("matchExpressions") or []
-    if not isinstance(raw, list):
-        r.fail(f"{path}.matchExpressions", "must be a list")
-        raw = []
-    elif len(raw) > MAX_SELECTOR_TERMS:
-        r.fail(f"{path}.matchExpressions", f"must have at most {MAX_SELECTOR_TERMS} items")
-    exprs = []
-    for i, e in enumerate(raw[:MAX_SELECTOR_TERMS]):
-        where = f"{path}.matchExpressions[{i}]"
-        if r.obj(e, where) is None:
-            continue
-        r.known(e, where, ("key", "operator", "values"))
-        key = r.string(e, "key", where)
-        op = r.string(e, "operator", where)
-        values = e.get("values") or []
-        if key is not None and not _label_key(r, key, f"{where}.key"):
-            key = None
-        if not isinstance(values, list):
-            r.fail(f"{where}.values", "must be a list")
-            values = []
-        values = [v for j, v in enumerate(values) if _label_value(r, v, f"{where}.values[{j}]")]
-        if op is not None and op not in SELECTOR_OPERATORS:
-            r.fail(f"{where}.operator", f"must be one of {', '.join(SELECTOR_OPERATORS)}")
-        elif op in ("In", "NotIn") and not values:
-            r.fail(f"{where}.values", f"required for operator {op}")
-        elif op in ("Exists", "DoesNotExist") and values:
-            r.fail(f"{where}.values", f"must be empty for operator {op}")
-        if key and op in SELECTOR_OPERATORS:
-            exprs.append((key, op, tuple(values)))
-    if len(r.errors) == errors_before and not labels and not any(op == "In" for _, op, _ in exprs):
-        r.fail(path, SELECTOR_MUST_NAME)
-    return LabelSelector(dict(labels), tuple(exprs))
-
-
-def _patch(r: _Reader, value: Any, path: str) -> PatchSpec:
-    d = r.obj(value, path) or {}
-    if d:
-        r.known(d, path, ("name", "version", "source", "config"))
-    name = r.string(d, "name", path, PATCH_NAME_PATTERN) if d else None
-    version = r.string(d, "version", path, PATCH_VERSION_PATTERN) if d else None
-    config = d.get("config") or {}
-    if not isinstance(config, dict):
-        r.fail(f"{path}.config", "must be an object")
-        config = {}
-    source = _source(r, d.get("source"), f"{path}.source") if d else PatchSource(builtin=True)
-    return PatchSpec(name or "", version or "", source, config)
-
-
-def _source(r: _Reader, value: Any, path: str) -> PatchSource:
-    d = r.obj(value, path, required=False)
-    if d is None:
-        return PatchSource(builtin=True)
-    r.known(d, path, ("builtin", "configMap", "digest"))
-    kinds = [k for k in ("builtin", "configMap") if k in d]
-    if len(kinds) != 1:
-        r.fail(path, "exactly one of builtin or configMap is required")
-        return PatchSource(builtin=True)
-    if kinds == ["builtin"]:
-        if r.obj(d["builtin"] if d["builtin"] is not None else {}, f"{path}.builtin") is None:
-            return PatchSource(builtin=True)
-        if "digest" in d:
-            r.fail(f"{path}.digest", "only a configMap source is pinned by digest")
-        return PatchSource(builtin=True)
-    where = f"{path}.configMap"
-    cm = r.obj(d["configMap"], where) or {}
-    if cm:
-        r.known(cm, where, ("name", "key"))
-    name = r.string(cm, "name", where, K8S_NAME_PATTERN) if cm else None
-    key = r.string(cm, "key", where) if cm else None
-    digest = r.string(d, "digest", path, DIGEST_PATTERN)
-    return PatchSource(builtin=False, config_map=name, key=key, digest=digest)
-
-
-def _routing(r: _Reader, value: Any, path: str) -> TrafficRouting:
-    d = r.obj(value, path)
-    if d is None:
+def _routing(m: model.TrafficRouting) -> TrafficRouting:
+    g = m.gateway_api
+    if g is None:
         return TrafficRouting("podRatio")
-    r.known(d, path, ("podRatio", "gatewayAPI"))
-    kinds = [k for k in ("podRatio", "gatewayAPI") if k in d]
-    if len(kinds) != 1:
-        r.fail(path, "exactly one of podRatio or gatewayAPI is required")
-        return TrafficRouting("podRatio")
-    if kinds == ["podRatio"]:
-        return TrafficRouting("podRatio")
-    where = f"{path}.gatewayAPI"
-    g = r.obj(d["gatewayAPI"], where) or {}
-    if g:
-        r.known(g, where, ("httpRoute", "stableService", "canaryService"))
-    names = [r.string(g, k, where, K8S_NAME_PATTERN) for k in ("httpRoute", "stableService", "canaryService")]
-    if names[1] and names[1] == names[2]:
-        r.fail(f"{where}.canaryService", "must differ from stableService")
-    return TrafficRouting("gatewayAPI", *names)
+    return TrafficRouting("gatewayAPI", g.http_route, g.stable_service, g.canary_service)
 
 
-def _steps(r: _Reader, value: Any, path: str) -> tuple[Step, ...]:
-    if not isinstance(value, list) or not value:
-        r.fail(path, "must be a non-empty list")
-        return ()
-    if len(value) > MAX_STEPS:
-        r.fail(path, f"must have at most {MAX_STEPS} items")
-        return ()
-    steps: list[Step] = []
-    for i, item in enumerate(value):
-        where = f"{path}[{i}]"
-        d = r.obj(item, where)
-        if d is None:
-            continue
-        r.known(d, where, ("weight", "pause", "untilApproved"))
-        if "weight" not in d:
-            r.fail(f"{where}.weight", "required")
-            continue
-        weight = r.integer(d, "weight", where, 1, 100)
-        pause_text, until_approved = _pause(r, d, where)
-        if weight is None:
-            continue
-        if steps and weight <= steps[-1].weight:
-            r.fail(f"{where}.weight", f"must be greater than the previous step's weight ({steps[-1].weight})")
-        steps.append(Step(weight, parse_duration(pause_text) if pause_text else 0.0, pause_text, until_approved))
-    last = value[-1]
-    if steps and isinstance(last, dict) and last.get("weight") != 100:
-        r.fail(f"{path}[{len(value) - 1}].weight", "the last step must have weight 100")
-    return tuple(steps)
+def _steps(steps: list[model.Step]) -> tuple[Step, ...]:
+    out = []
+    for s in steps:
+        text = s.pause if isinstance(s.pause, str) else None
+        out.append(Step(s.weight, parse_duration(text) if text else 0.0, text, s.waits_for_approval))
+    return tuple(out)
 
 
-def _pause(r: _Reader, d: dict, where: str) -> tuple[str | None, bool]:
-    """A step's pause: (the duration as written, or None; whether it waits for approval).
-
-    `pause` is a duration ("10m") or `{}` (Argo Rollouts' spelling of a pause until promoted);
-    `untilApproved: true` is the canonical spelling of the latter. A step waits for its duration or
-    for a person, never both: the two are refused together, and so is `pause: {}` with
-    `untilApproved: false`."""
-    until = d.get("untilApproved")
-    if until is not None and not isinstance(until, bool):
-        r.fail(f"{where}.untilApproved", "must be true or false")
-        until = None
-    pause = d.get("pause")
-    if pause is None or isinstance(pause, str):
-        text = r.string(d, "pause", where, DURATION_PATTERN, required=False)
-        if text is not None and until:
-            r.fail(where, f"a step waits for a duration (pause: {text}) or for approval (untilApproved: true), "
-                          "not both; drop one")
-        return text, bool(until)
-    if isinstance(pause, dict):
-        if pause:
-            hint = (f"; a duration is written pause: {pause['duration']}"
-                    if set(pause) == {"duration"} and isinstance(pause["duration"], str) else "")
-            r.fail(f"{where}.pause", f"must be a duration (\"10m\") or {{}} (wait for approval); "
-                                     f"{{}} takes no fields, not {', '.join(map(str, pause))}{hint}")
-            return None, bool(until)
-        if until is False:
-            r.fail(where, "pause: {} waits for approval, untilApproved: false says not to; drop one")
-            return None, False
-        return None, True
-    r.fail(f"{where}.pause", f"must be a duration (\"10m\") or {{}} (wait for approval), not {pause!r:.40}")
-    return None, bool(until)
-
-
-def _analysis(r: _Reader, value: Any, path: str, templates: Templates) -> Analysis:
-    d = r.obj(value, path) or {}
-    r.known(d, path, ("prometheus", "interval", "breakers", "gates", "templates", "args", "noData",
-                      "confidence", "rollbackConfidence", "inconclusiveLimit", "errorLimit",
-                      "outageLimit", "measurementRetention"))
-    source = _prometheus(r, d.get("prometheus"), f"{path}.prometheus")
-    interval = r.duration(d, "interval", path)
-    if not r.errors_at(f"{path}.interval") and interval < 1:
+def _analysis(r: _Errors, m: model.Analysis, path: str, templates: Templates) -> Analysis:
+    interval = parse_duration(m.interval)
+    if interval < 1:
         r.fail(f"{path}.interval", "must be at least 1s (Prometheus needs two scrapes in a window)")
-    no_data = d.get("noData", "hold")
-    if no_data not in NO_DATA_POLICIES:
-        r.fail(f"{path}.noData", f"must be one of {', '.join(NO_DATA_POLICIES)}")
-    confidence = r.number(d, "confidence", path, 0.5, 0.9999)
-    rollback_confidence = r.number(d, "rollbackConfidence", path, 0.5, 0.9999)
-    inconclusive_limit = r.integer(d, "inconclusiveLimit", path, 0, 1000)
-    error_limit = r.integer(d, "errorLimit", path, 0, 1000)
-    outage_limit = r.duration(d, "outageLimit", path) if "outageLimit" in d else parse_duration(DEFAULT_OUTAGE_LIMIT)
-    retention = r.integer(d, "measurementRetention", path, 0, MAX_MEASUREMENT_RETENTION)
-    refs = _template_refs(r, d.get("templates"), f"{path}.templates")
-    args = _args(r, d.get("args"), f"{path}.args")
+    refs = [(t.name, bool(t.cluster_scope)) for t in m.templates or ()]
+    args = _args(r, m.args or (), f"{path}.args")
 
-    lists: dict[str, list[tuple[dict, str]]] = {"breakers": [], "gates": []}
+    lists: dict[str, list[tuple[common.Check, dict[str, str], str]]] = {"breakers": [], "gates": []}
     trusted: set[str] = set()      # a ClusterPatchAnalysisTemplate's checks: the cluster administrator's queries
     for name, cluster in refs:
-        template = templates.get((name, cluster))
-        if template is None:
+        raw = templates.get((name, cluster))
+        if raw is None:
             r.fail(f"{path}.templates", f"{'cluster' if cluster else 'namespaced'} analysis template "
                                         f"{name!r} was not found")
             continue
         where = f"{'ClusterPatchAnalysisTemplate' if cluster else 'PatchAnalysisTemplate'} {name}"
-        targs = {**_args(r, template.get("args"), f"{where}: spec.args", need_values=False), **args}
+        t, errors = validate(template_model.AnalysisTemplateSpec, raw, f"{where}: spec")
+        r.errors += errors
+        # a refused template: its arguments and checks the model takes one by one are still read,
+        # so every bad field of it is named at once
+        parts = {key: getattr(t, key) or [] for key in ("args", "breakers", "gates")} if t is not None else \
+            _parts_alone(raw, f"{where}: spec")
+        targs = {**_args(r, parts["args"], f"{where}: spec.args"), **args}
         for key in ("breakers", "gates"):
-            items = template.get(key) or []
-            if not isinstance(items, list):
-                r.fail(f"{where}: spec.{key}", "must be a list")
-                continue
-            for i, item in enumerate(items):
-                lists[key].append((_with_args(r, item, targs, f"{where}: spec.{key}[{i}]"),
-                                   f"{where}: spec.{key}[{i}]"))
+            for i, item in (parts[key] if t is None else enumerate(parts[key])):
+                lists[key].append((item, targs, f"{where}: spec.{key}[{i}]"))
                 if cluster:
                     trusted.add(f"{where}: spec.{key}[{i}]")
-    own_given = any(k in d for k in ("breakers", "gates"))
+    own_given = m.breakers is not None or m.gates is not None
     for key in ("breakers", "gates"):
-        items = d.get(key)
+        items = getattr(m, key)
         if items is None:
             if not refs and not own_given:
-                items = DEFAULT_BREAKERS if key == "breakers" else DEFAULT_GATES
+                defaults = DEFAULT_BREAKERS if key == "breakers" else DEFAULT_GATES
+                items = [common.Check.model_validate(d) for d in defaults]
             else:
                 items = []
-        if not isinstance(items, list):
-            r.fail(f"{path}.{key}", "must be a list")
-            continue
-        if len(items) > MAX_CHECKS:
-            r.fail(f"{path}.{key}", f"must have at most {MAX_CHECKS} items")
-        names = [i.get("name") for i in items if isinstance(i, dict)]
-        lists[key] = [(t, w) for t, w in lists[key] if t.get("name") not in names]
-        lists[key] += [(_with_args(r, item, args, f"{path}.{key}[{i}]"), f"{path}.{key}[{i}]")
-                       for i, item in enumerate(items)]
+        names = {c.name for c in items}
+        lists[key] = [entry for entry in lists[key] if entry[0].name not in names]
+        lists[key] += [(item, args, f"{path}.{key}[{i}]") for i, item in enumerate(items)]
     parsed: dict[str, list[Check]] = {"breakers": [], "gates": []}
     for key, role in (("breakers", BREAKER), ("gates", GATE)):
         seen: set[str] = set()
-        for item, where in lists[key]:
-            check = _check(r, item, where, role)
+        for item, item_args, where in lists[key]:
+            check = _check(r, item, item_args, where, role)
             if check is None:
                 continue
             if check.query is not None and where not in trusted and not r.errors_at(f"{where}.query"):
@@ -713,95 +487,53 @@ def _analysis(r: _Reader, value: Any, path: str, templates: Templates) -> Analys
             parsed[key].append(check)
     if not parsed["breakers"] and not parsed["gates"] and not r.errors_at(path):
         r.fail(path, "needs at least one breaker or gate")
-    return Analysis(source, interval, tuple(parsed["breakers"]), tuple(parsed["gates"]),
-                    no_data if no_data in NO_DATA_POLICIES else "hold",
-                    DEFAULT_CONFIDENCE if confidence is None else confidence,
-                    DEFAULT_ROLLBACK_CONFIDENCE if rollback_confidence is None else rollback_confidence,
-                    DEFAULT_INCONCLUSIVE_LIMIT if inconclusive_limit is None else inconclusive_limit,
-                    DEFAULT_ERROR_LIMIT if error_limit is None else error_limit, outage_limit, tuple(refs),
-                    DEFAULT_MEASUREMENT_RETENTION if retention is None else retention)
+    p = m.prometheus
+    source = PrometheusSource(
+        p.address or "",
+        (p.bearer_token_secret.name, p.bearer_token_secret.key) if p.bearer_token_secret else None,
+        (p.ca_secret.name, p.ca_secret.key) if p.ca_secret else None,
+        tuple((h.name, h.value) for h in p.headers or ()))
+    return Analysis(source, interval, tuple(parsed["breakers"]), tuple(parsed["gates"]), m.no_data, m.confidence,
+                    m.rollback_confidence, m.inconclusive_limit, m.error_limit, parse_duration(m.outage_limit),
+                    tuple(refs), m.measurement_retention)
 
 
-def _prometheus(r: _Reader, value: Any, path: str) -> PrometheusSource:
-    d = r.obj(value, path, required=False) or {}
-    r.known(d, path, ("address", "bearerTokenSecret", "caSecret", "headers"))
-    address = r.string(d, "address", path, r"https?://[^\s]+", required=False) or ""
-    secrets = []
-    for key in ("bearerTokenSecret", "caSecret"):
-        ref = r.obj(d.get(key), f"{path}.{key}", required=False)
-        if ref is None:
-            secrets.append(None)
-            continue
-        r.known(ref, f"{path}.{key}", ("name", "key"))
-        name = r.string(ref, "name", f"{path}.{key}", K8S_NAME_PATTERN)
-        item = r.string(ref, "key", f"{path}.{key}", r"[-._a-zA-Z0-9]{1,253}")
-        secrets.append((name, item) if name and item else None)
-    headers = []
-    raw = d.get("headers") or []
-    if not isinstance(raw, list):
-        r.fail(f"{path}.headers", "must be a list")
-        raw = []
-    for i, h in enumerate(raw[:16]):
-        where = f"{path}.headers[{i}]"
-        h = r.obj(h, where) or {}
-        r.known(h, where, ("name", "value"))
-        name = r.string(h, "name", where, r"[A-Za-z0-9-]{1,64}")
-        text = r.string(h, "value", where, r"[^\r\n]{1,4096}")
-        if name and text:
-            headers.append((name, text))
-    return PrometheusSource(address, secrets[0], secrets[1], tuple(headers))
-
-
-def _template_refs(r: _Reader, value: Any, path: str) -> list[tuple[str, bool]]:
-    if value is None:
-        return []
-    if not isinstance(value, list) or len(value) > 8:
-        r.fail(path, "must be a list of at most 8 template references")
-        return []
-    refs = []
-    for i, item in enumerate(value):
-        d = r.obj(item, f"{path}[{i}]") or {}
-        r.known(d, f"{path}[{i}]", ("name", "clusterScope"))
-        name = r.string(d, "name", f"{path}[{i}]", K8S_NAME_PATTERN)
-        cluster = r.boolean(d, "clusterScope", f"{path}[{i}]")
-        if name:
-            refs.append((name, cluster))
-    return refs
-
-
-def _args(r: _Reader, value: Any, path: str, need_values: bool = True) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, list) or len(value) > 32:
-        r.fail(path, "must be a list of at most 32 arguments")
-        return {}
-    out = {}
-    for i, item in enumerate(value):
-        d = r.obj(item, f"{path}[{i}]") or {}
-        r.known(d, f"{path}[{i}]", ("name", "value"))
-        name = r.string(d, "name", f"{path}[{i}]", r"[A-Za-z][A-Za-z0-9_]{0,62}")
-        text = r.string(d, "value", f"{path}[{i}]", required=need_values)
-        problem = queries.arg_problem(text) if text is not None else None
-        if problem is not None:
-            r.fail(f"{path}[{i}].value", problem)
-            text = None
-        if name and text is not None:
-            out[name] = text
+def _parts_alone(raw: Any, path: str) -> dict[str, list[Any]]:
+    """A refused template's arguments, and its checks with their indexes, that the model takes one by one."""
+    out: dict[str, list[Any]] = {"args": [], "breakers": [], "gates": []}
+    for key, cls in (("args", common.TemplateArg), ("breakers", common.Check), ("gates", common.Check)):
+        items = raw.get(key) if isinstance(raw, Mapping) else None
+        for i, item in enumerate(items if isinstance(items, list) else ()):
+            obj, errors = validate(cls, item, f"{path}.{key}[{i}]")
+            if obj is not None:
+                out[key].append(obj if key == "args" else (i, obj))
     return out
 
 
-def _with_args(r: _Reader, item: Any, args: dict[str, str], where: str) -> Any:
-    """A check with `{{args.NAME}}` in its query filled from the arguments."""
-    if not isinstance(item, dict) or not isinstance(item.get("query"), str):
-        return item
+def _args(r: _Errors, items: Any, path: str) -> dict[str, str]:
+    """Template arguments by name; a value must be one label value's worth (it lands in PromQL)."""
+    out = {}
+    for i, item in enumerate(items):
+        if item.value is None:
+            continue
+        problem = queries.arg_problem(item.value)
+        if problem is not None:
+            r.fail(f"{path}[{i}].value", problem)
+            continue
+        out[item.name] = item.value
+    return out
+
+
+def _with_args(r: _Errors, query: str, args: dict[str, str], where: str) -> str | None:
+    """`query` with `{{args.NAME}}` filled from the arguments (None, the error recorded, when one is missing)."""
     try:
-        return {**item, "query": queries.fill_args(item["query"], args)}
+        return queries.fill_args(query, args)
     except (KeyError, ValueError) as e:
         r.fail(f"{where}.query", str(e.args[0]))
-        return item
+        return None
 
 
-def _scoped(r: _Reader, query: str, path: str) -> None:
+def _scoped(r: _Errors, query: str, path: str) -> None:
     """A query written in the rollout's namespace reads that namespace only: every vector selector
     carries namespace="{{namespace}}" (Prometheus would answer it about every namespace)."""
     try:
@@ -817,38 +549,27 @@ def _scoped(r: _Reader, query: str, path: str) -> None:
                      + ". Only a ClusterPatchAnalysisTemplate's queries may read other namespaces")
 
 
-def _check(r: _Reader, value: Any, path: str, role: str) -> Check | None:
-    d = r.obj(value, path)
-    if d is None:
-        return None
-    r.known(d, path, ("name", "metric", "max", "min", "maxRatio", "window", "consecutive", "query",
-                      "dryRun", "minSamples"))
-    name = r.string(d, "name", path, METRIC_NAME_PATTERN)
-    if name is None:
-        return None
-    query = r.string(d, "query", path, required=False)
-    if query is not None and len(query) > MAX_QUERY:
-        r.fail(f"{path}.query", f"must be at most {MAX_QUERY} characters")
-    metric = r.string(d, "metric", path, required=False)
-    if metric is None:
-        metric = "custom" if query is not None or name not in BUILTIN_METRICS else name
-    if metric != "custom" and metric not in BUILTIN_METRICS:
-        r.fail(f"{path}.metric", f"{metric!r} is not a built-in metric ({', '.join(BUILTIN_METRICS)})")
-        return None
-    if metric == "custom" and query is None:
-        r.fail(f"{path}.query", f"required: {name!r} is not a built-in metric ({', '.join(BUILTIN_METRICS)})")
-        return None
-    if metric != "custom" and query is not None:
-        r.fail(f"{path}.query", f"a built-in metric ({metric}) takes no query; give the check another name")
+def _check(r: _Errors, c: common.Check, args: dict[str, str], path: str, role: str) -> Check | None:
+    """A check the model validated, judged by what its metric takes (no schema says this)."""
+    errors_before = len(r.errors)
+    query = c.query
     if query is not None:
+        query = _with_args(r, query, args, path)
+        if query is None:
+            return None
+        if len(query) > MAX_QUERY:
+            r.fail(f"{path}.query", f"must be at most {MAX_QUERY} characters")
         unknown = queries.unknown_vars(query)
         if unknown:
             r.fail(f"{path}.query", f"unknown template variable(s) {', '.join(unknown)} "
                                     f"(known: {', '.join(queries.TEMPLATE_VARS)})")
+    metric = c.metric or ("custom" if query is not None or c.name not in BUILTIN_METRICS else c.name)
     kind = "custom" if metric == "custom" else BUILTIN_METRICS[metric]["kind"]
-    hi = r.number(d, "max", path, 0 if kind != "custom" else None)
-    lo = r.number(d, "min", path, 0 if kind != "custom" else None)
-    ratio = r.number(d, "maxRatio", path, 0, open_lo=True)
+    hi, lo, ratio = c.max, c.min, c.max_ratio
+    if kind != "custom":
+        for key, value in (("max", hi), ("min", lo)):
+            if value is not None and value < 0:
+                r.fail(f"{path}.{key}", "must be at least 0")
     if kind in ("rate", "difference") and (hi is not None and hi > 1 or lo is not None and lo > 1):
         r.fail(path, f"{metric} is a fraction: its limits lie between 0 and 1")
     if ratio is not None and kind != "quantile":
@@ -862,27 +583,24 @@ def _check(r: _Reader, value: Any, path: str, role: str) -> Check | None:
         r.fail(f"{path}.max", "success-rate takes min; error-rate takes max")
     if metric == "output-divergence" and lo is not None:
         r.fail(f"{path}.min", "output-divergence takes max: the share of compared requests that may diverge")
-    if hi is None and lo is None and ratio is None and not r.errors_at(path):
-        r.fail(path, "needs a threshold: max, min" + (" or maxRatio" if kind == "quantile" else ""))
-    if lo is not None and hi is not None and lo > hi:
-        r.fail(f"{path}.min", f"must not exceed max ({hi:g})")
-    window_text = d.get("window", BUILTIN_METRICS.get(metric, {}).get("window", "60s"))
+    window_text = c.window or BUILTIN_METRICS.get(metric, {}).get("window", "60s")
     window: float | None = None
-    if window_text in CUMULATIVE_WINDOWS and kind in ("rate", "difference"):
-        window = None
+    if window_text in CUMULATIVE_WINDOWS:
+        if kind not in ("rate", "difference"):
+            r.fail(f"{path}.window", f"{window_text!r} does not match {DURATION_PATTERN}: only rates and "
+                                     "error-rate-delta look at the traffic since the step or the rollout began")
     else:
-        window = r.duration({"window": window_text}, "window", path)
-        if not r.errors_at(f"{path}.window") and window < 1:
+        window = parse_duration(window_text)
+        if window < 1:
             r.fail(f"{path}.window", "must be at least 1s (a rate needs two scrapes in its window)"
                    + ("; or 'step' (the traffic since the step was in place) or 'rollout' (since the "
                       "rollout started)" if kind in ("rate", "difference") else ""))
-    consecutive = r.integer(d, "consecutive", path, 1, 100)
-    if role == GATE and consecutive is not None:
+    if role == GATE and c.consecutive is not None:
         r.fail(f"{path}.consecutive", "gates take no consecutive: a failing gate holds the step until it passes")
-    min_samples = r.integer(d, "minSamples", path, 1, 10_000_000)
-    dry_run = r.boolean(d, "dryRun", path)
-    return Check(name, role, metric, hi, lo, ratio, window, str(window_text), consecutive or 1, query,
-                 dry_run, min_samples)
+    if len(r.errors) > errors_before:
+        return None
+    return Check(c.name, role, metric, hi, lo, ratio, window, str(window_text), c.consecutive or 1, query,
+                 bool(c.dry_run), c.min_samples)
 
 
 @dataclass(slots=True, frozen=True)
@@ -895,28 +613,10 @@ class FleetSpec:
 
 
 def parse_fleet_spec(spec: Mapping[str, Any]) -> FleetSpec:
-    """Parse and validate a PatchFleet `spec`; raises SpecError naming every bad field."""
-    r = _Reader()
-    if not isinstance(spec, Mapping):
-        raise SpecError([FieldError("spec", "must be an object")])
-    r.known(dict(spec), "spec", ("selector", "patches", "revisionHistoryLimit"))
-    selector = _selector(r, spec.get("selector"), "spec.selector")
-    raw = spec.get("patches") or []
-    if not isinstance(raw, list) or len(raw) > 32:
-        r.fail("spec.patches", "must be a list of at most 32 patches")
-        raw = []
-    patches, names = [], set()
-    for i, item in enumerate(raw):
-        p = _patch(r, item, f"spec.patches[{i}]")
-        if p.name in names:
-            r.fail(f"spec.patches[{i}].name", f"duplicate patch {p.name!r}: a fleet runs one version of each")
-        names.add(p.name)
-        patches.append(p)
-    limit = r.integer(dict(spec), "revisionHistoryLimit", "spec", 0)
-    if r.errors:
-        raise SpecError(r.errors)
-    return FleetSpec(selector, tuple(sorted(patches, key=lambda p: p.name)),
-                     DEFAULT_REVISION_HISTORY_LIMIT if limit is None else limit)
+    """Parse and validate a PatchFleet `spec` through its model; raises SpecError naming every bad field."""
+    m: patchfleet.PatchFleetSpec = _validated(patchfleet.PatchFleetSpec, spec, "spec")
+    patches = [_patch(p) for p in m.patches or ()]
+    return FleetSpec(selector_of(m.selector), tuple(sorted(patches, key=lambda p: p.name)), m.revision_history_limit)
 
 
 def patch_to_dict(patch: PatchSpec) -> dict[str, Any]:
@@ -932,8 +632,6 @@ def patch_to_dict(patch: PatchSpec) -> dict[str, Any]:
 
 def parse_selector(value: Any, path: str = "spec.selector") -> LabelSelector:
     """A label selector alone (a rollout's or a fleet's); raises SpecError naming every bad field."""
-    r = _Reader()
-    selector = _selector(r, value, path)
-    if r.errors:
-        raise SpecError(r.errors)
-    return selector
+    if value is None:
+        raise SpecError([FieldError(path, "required")])
+    return selector_of(_validated(common.LabelSelector, value, path))

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from graft.cli import crd_admission
 from graft.operator.cli import main_rollout
-from graft.rollout.spec import DEFAULT_BREAKERS, DEFAULT_GATES, parse_spec
+from graft.rollout.spec import DEFAULT_BREAKERS, DEFAULT_GATES, SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -142,29 +142,33 @@ def test_errors_name_the_file_the_document_and_the_field_and_exit_1(tmp_path):
         f"{path}, document 4 (PatchAnalysisTemplate llm/slo): spec.breakers[0].query: every vector selector must "
         'carry namespace="{{namespace}}"',
         f"{path}, document 4 (PatchAnalysisTemplate llm/slo): spec.gates[0].consecutive: gates take no consecutive",
+        f'{path}, document 4 (PatchAnalysisTemplate llm/slo): spec.gates: Invalid value: "array": gates take no '
+        "consecutive: a failing gate holds the step until it passes (API server)",
         f"{path}, document 5 (PatchRolout typo): kind: 'PatchRolout' is not a kind of graft.dev/v1alpha1",
     ]
     for line in expected:
         assert any(found.startswith(line) for found in lines), f"{line}\n---\n{out}"
     assert "left-alone" not in out and "document 1" not in out
-    assert lines[-1] == "11 error(s) in 4 of 4 document(s)", out
+    assert lines[-1] == "12 error(s) in 4 of 4 document(s)", out
 
 
-def test_what_only_the_api_server_refuses_is_refused_too(tmp_path):
+def test_an_over_long_pause_is_refused_by_the_reader_and_the_api_server_alike(tmp_path):
     doc = yaml.safe_load((ROOT / "examples" / "rollout-builtin.yaml").read_text())
-    # a pause the duration pattern takes, longer than the CRD's 32 characters
+    # a pause the duration pattern takes, longer than the 32 characters the model (and so the CRD) allows
     doc["spec"]["steps"] = [{"weight": 50, "pause": "1h" * 17}, {"weight": 100}]
     path = tmp_path / "long-pause.yaml"
     path.write_text(yaml.safe_dump(doc))
-    assert parse_spec(doc["spec"]).steps[0].pause == 17 * 3600
+    with pytest.raises(SpecError, match="must be at most 32 characters"):
+        parse_spec(doc["spec"])
     code, out = lint("-f", path)
     assert code == 1 and "spec.steps[0].pause: Too long: may not be longer than 32 (API server)" in out, out
+    assert "spec.steps[0].pause: must be at most 32 characters" in out, out
     # without the dev cluster's validator the operator's reader alone decides, and says so
     code, out = lint("-f", path, admission=None)
-    assert code == 0, out
-    assert "# note: not checked against the CRDs' schemas" in out
+    assert code == 1 and "spec.steps[0].pause: must be at most 32 characters" in out, out
+    assert "not checked against the CRDs' schemas" in out
     code, out = lint("-f", path, admission=lambda folder: None)
-    assert code == 0 and "pip install 'graft[devcluster]'" in out, out
+    assert code == 1 and "pip install 'graft[devcluster]'" in out, out
 
 
 def test_stdin_usage_errors_and_unreadable_files(tmp_path, monkeypatch):

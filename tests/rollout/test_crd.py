@@ -186,6 +186,8 @@ INVALID = [
     ("window spelling", br({"name": "cpu", "max": 0.9, "window": "soon"}), "spec.analysis.breakers[0].window"),
     ("two breakers of a name", br({"name": "cpu", "max": 0.9}, {"name": "cpu", "max": 0.5}),
      "spec.analysis.breakers[1]"),
+    ("a gate counting breaches", {"analysis": {"gates": [{"name": "error-rate-delta", "max": 0.001,
+                                                          "consecutive": 3}]}}, "spec.analysis.gates"),
 ]
 
 
@@ -200,8 +202,6 @@ def test_invalid_manifests_are_refused_by_the_api_server_and_the_spec_model(what
 
 
 @pytest.mark.parametrize("what,analysis,path", [
-    ("a gate counting breaches", {"gates": [{"name": "error-rate-delta", "max": 0.001, "consecutive": 3}]},
-     "spec.analysis.gates[0].consecutive"),
     ("an error rate above 1", {"breakers": [{"name": "error-rate", "max": 5}]}, "spec.analysis.breakers[0]"),
     ("a divergent share above 1", {"gates": [{"name": "output-divergence", "max": 1.5}]}, "spec.analysis.gates[0]"),
     ("a divergent share with a min", {"breakers": [{"name": "output-divergence", "min": 0.01}]},
