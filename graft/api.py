@@ -170,7 +170,8 @@ def reason_table() -> str:
 # Patterns for `re.fullmatch` only: `re.match` with `$` would accept a trailing newline.
 NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 VERSION_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
-DIGEST_RE = re.compile(r"sha256:[0-9a-fA-F]{64}")
+# lower-case hex, as hashlib writes it and the CRDs take it (graft.rollout.models builds its pattern from this)
+DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 DIGEST_PREFIX = "sha256:"
 BASE = "base"
 

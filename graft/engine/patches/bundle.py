@@ -66,7 +66,8 @@ def signed_message(name: str, version: str, digest: str, config: Mapping[str, An
     Name and version are validated patterns (no newline), so the newline-joined form is
     unambiguous; the context string keeps these signatures apart from anything else the key signs.
     """
-    if not NAME_RE.fullmatch(name) or not VERSION_RE.fullmatch(version) or not DIGEST_RE.fullmatch(digest):
+    # either case is taken and written lower-case (DIGEST_RE is the API's spelling: lower-case hex)
+    if not NAME_RE.fullmatch(name) or not VERSION_RE.fullmatch(version) or not DIGEST_RE.fullmatch(digest.lower()):
         raise ValueError(f"cannot sign {name!r}@{version!r} with digest {digest!r}: not a valid name, "
                          "version or sha256 digest")
     return (f"{SIGNATURE_CONTEXT}\n{name}\n{version}\n{digest.lower()}\n{config_digest(config)}\n"
@@ -183,7 +184,7 @@ class RevokedDigests:
             line = line.split("#", 1)[0].strip()
             if not line:
                 continue
-            if not DIGEST_RE.fullmatch(line):
+            if not DIGEST_RE.fullmatch(line.lower()):     # a hand-written list may use either case
                 raise ValueError(f"{path} line {n}: {line[:80]!r} is not 'sha256:' and 64 hex digits")
             found.add(line.lower())
         return frozenset(found)
@@ -248,7 +249,7 @@ class BundleVerifier:
     def verify(self, source: str, digest: Any, signature: Any, *, name: str, version: str,
                config: Mapping[str, Any] | None = None) -> str:
         """The normalised digest once the bundle may run with `config`; PatchError (400 or 403) otherwise."""
-        if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
+        if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest.lower()):   # either case, normalised below
             raise PatchError(400, "source.digest must be 'sha256:' followed by 64 hex digits")
         if signature is not None and not isinstance(signature, str):
             raise PatchError(400, "source.signature must be a string (v2:<expires>:<base64>)")

@@ -19,14 +19,16 @@ from pydantic.fields import FieldInfo
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
+from graft.api import DIGEST_RE, NAME_RE, VERSION_RE
+
 # -- patterns, as the API server matches them (RE2: `$` only at the very end, no lookaround) --------
 
-DNS_LABEL_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+DNS_LABEL_PATTERN = rf"^{NAME_RE.pattern}$"
 # a DNS subdomain: an object's name (a ConfigMap, a Secret, a Service, an HTTPRoute, a template)
 K8S_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
 PATCH_NAME_PATTERN = DNS_LABEL_PATTERN
-PATCH_VERSION_PATTERN = r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$"
-DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
+PATCH_VERSION_PATTERN = rf"^{VERSION_RE.pattern}$"
+DIGEST_PATTERN = rf"^{DIGEST_RE.pattern}$"      # the engine checks a bundle's digest with the same pattern
 METRIC_NAME_PATTERN = DNS_LABEL_PATTERN
 DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
 # a ConfigMap or Secret data key, as the API server validates them
