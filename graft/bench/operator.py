@@ -254,7 +254,8 @@ async def run_case(cfg: OperatorBenchConfig, prometheus: PrometheusServer, fleet
     try:
         prometheus.set_targets([(f"127.0.0.1:{standins.metrics_port}",
                                  {"namespace": ns, "__metrics_path__": f"/metrics/{ns}"}) for ns in fleets])
-        async with CountingApiServer(crd_paths=[ROOT / "crds"], history_limit=1000) as api:
+        # KMock matches each request against the requests it keeps (quadratic in the history): keep few
+        async with CountingApiServer(crd_paths=[ROOT / "crds"], history_limit=10) as api:
             kube = Kube(api.url, headers={"User-Agent": BENCH_AGENT})
             try:
                 with report.status(f"{label}: {sum(fleets.values())} pods in {len(fleets)} namespaces"):
@@ -279,7 +280,7 @@ async def run_case(cfg: OperatorBenchConfig, prometheus: PrometheusServer, fleet
                     rest = await sampler.ticks(cfg.ticks, cfg.tick, advance)
                 result: dict[str, Any] = {"label": label, "fleets": len(fleets), "pods_per_fleet": max(fleets.values()),
                                           "pods": sum(fleets.values()), "rollouts": rollouts,
-                                          "converge_s": round(converge_s, 2), "rest": rest}
+                                          "converge_s": round(converge_s, 2), "rest": rest, "rolling": []}
                 if rollouts:
                     result.update(await _roll(cfg, kube, api, standins, operator, sampler, list(fleets)[:rollouts],
                                               fleets, label))
