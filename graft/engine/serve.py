@@ -19,13 +19,14 @@ import re
 import signal
 import ssl
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import uvicorn
 
 from graft.engine.admin import AdminToken
 from graft.engine.config import EngineConfig
 from graft.engine.engine import LLMEngine
+from graft.engine.options import ServeOptions
 from graft.engine.patches.base import parse_patch_list
 from graft.engine.patches.bundle import BundleVerifier, RevokedDigests, Revocations, parse_min_versions
 from graft.engine.server import PublicLimits, build_app, build_metrics_app
@@ -39,34 +40,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
-
-
-@dataclass(slots=True)
-class ServeOptions:
-    host: str = "0.0.0.0"
-    port: int = 8000
-    # /metrics on a port of its own, for Prometheus: its series are labelled by revision, which
-    # the public port's clients must not read. None (`--metrics-port public`): on the public port.
-    metrics_port: int | None = 9400
-    metrics_host: str | None = None     # None: `host`
-    admin_host: str = "127.0.0.1"       # only the operator calls it: not on every interface unless asked
-    admin_port: int | None = 8081       # None: no admin API
-    admin_insecure: bool = False
-    admin_token_file: str | None = None  # default: GRAFT_ADMIN_TOKEN_FILE
-    admin_tls_cert: str | None = None
-    admin_tls_key: str | None = None
-    enable_test_patches: bool = False
-    trusted_keys: list[str] = field(default_factory=list)
-    allow_unsigned_bundles: bool = False
-    bundle_timeout: float = 10.0        # seconds bundle code may run outside the step loop
-    min_patch_versions: list[str] = field(default_factory=list)   # NAME=VERSION: older versions refused
-    revoked_digests: str | None = None  # file of revoked bundle digests, re-read on change
-    admin_token_overlap: float = 300.0  # seconds the previous token stays accepted after the token file changes
-    patches: str = ""                   # `name@version,...` applied at start-up (GRAFT_PATCHES)
-    grace: float = 30.0
-    served_model_name: str | None = None
-    probe_prompts: str | None = None    # JSON-lines file of {"prompt": ...}; default: GRAFT_PROBE_PROMPTS_FILE
-    public: PublicLimits = field(default_factory=PublicLimits)   # what clients of the public port may ask
 
 
 @dataclass(slots=True)
@@ -221,7 +194,7 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> None:
     engine.start()
     model_name = opts.served_model_name or served_name(config.model)
     public_metrics = opts.metrics_port is None
-    apps = [(build_app(engine, model_name, opts.public, metrics=public_metrics), opts.host, opts.port, {})]
+    apps = [(build_app(engine, model_name, PublicLimits.of(opts.public), metrics=public_metrics), opts.host, opts.port, {})]
     if not public_metrics:
         apps.append((build_metrics_app(engine), metrics_host(opts), opts.metrics_port, {}))
     manager = None

@@ -19,7 +19,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from graft.engine.engine import SHUTDOWN, EngineDraining, InvalidPrompt, LLMEngine, RequestHandle
+from graft.engine.options import PublicLimitSettings
 from graft.engine.protocol import (PRIORITY_MAX, PRIORITY_MIN, ChatCompletionRequest, CompletionRequest,
                                    error_body, new_id, now, usage)
 from graft.engine.scheduler import QueueFull
@@ -47,8 +48,7 @@ DEFAULT_MAX_TOKENS = 256
 MAX_CHARS_PER_TOKEN = 32
 
 
-@dataclass(slots=True)
-class PublicLimits:
+class PublicLimits(PublicLimitSettings):
     """What a client of the public port may ask, and which of its claims the server believes.
 
     - `max_request_bytes`: larger bodies are answered 413 before they are parsed (the body is
@@ -65,21 +65,18 @@ class PublicLimits:
       address of the connection, never the body's `user` (a client could take a fresh `user` per
       request and win every tie). Behind a gateway every request has the gateway's address: name
       its header.
+
+    The fields, their defaults and checks are graft.engine.options' `PublicLimitSettings` (the flags
+    of `graft serve` are made from them); this class adds how the server applies them.
     """
 
-    max_request_bytes: int = 4 << 20
-    request_timeout: float = 600.0
-    client_priority_band: int = 1
-    priority_header: str | None = None
-    tenant_header: str | None = None
+    @classmethod
+    def of(cls, settings: PublicLimitSettings) -> "PublicLimits":
+        """The limits `settings` (ServeOptions.public) describe."""
+        if isinstance(settings, cls):
+            return settings
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(PublicLimitSettings)})
 
-    def __post_init__(self) -> None:
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
-        if not self.request_timeout > 0:
-            raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
-        if not 0 <= self.client_priority_band <= 1000:
-            raise ValueError(f"client_priority_band must be within [0, 1000], got {self.client_priority_band}")
 
     def priority(self, request: Request, asked: int) -> int:
         if self.priority_header:

@@ -4,13 +4,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import kopf
 
 from graft.operator.handlers import build_registry
 from graft.operator.runtime import Runtime
-from graft.operator.settings import OperatorSettings
+from graft.operator.settings import OperatorSettings, add_setting_args
 
 
 async def run(settings: OperatorSettings, *, stop_flag: asyncio.Event | None = None,
@@ -34,40 +34,37 @@ async def run(settings: OperatorSettings, *, stop_flag: asyncio.Event | None = N
     )
 
 
-def main_operator(argv: Sequence[str] | None = None) -> int:
-    """`graft operator [--namespace NS]... [--tick S] [--kube-server URL | --kubeconfig PATH] [--peering NAME]`.
+def main_operator(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    """`graft operator [--namespace NS]... [--tick S] [--kube-server URL | --kubeconfig PATH] [--peering NAME] ...`.
 
-    Every flag falls back to its environment variable (see graft.operator.settings).
+    A flag for every setting of graft.operator.settings, each falling back to its environment
+    variable; a value either way that the operator cannot run with is refused at once (exit 2).
     """
-    parser = argparse.ArgumentParser(prog="graft operator", description="Run the PatchRollout operator.")
-    parser.add_argument("--namespace", "-n", action="append", default=None,
-                        help="watch only this namespace (repeatable); default: every namespace")
-    parser.add_argument("--tick", type=float, help="seconds between reconciliations of a rollout")
-    parser.add_argument("--kube-server", help="API server URL without credentials (local dev cluster)")
-    parser.add_argument("--kubeconfig", help="kubeconfig file to log in with")
-    parser.add_argument("--context", help="kubeconfig context")
-    parser.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
-    parser.add_argument("--peering", help="kopf peering name (several replicas); default: standalone")
-    parser.add_argument("--priority", type=int, default=0,
-                        help="peering priority: of several replicas, the highest live one works")
-    parser.add_argument("--liveness", default=None, help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
-    parser.add_argument("--verbose", "-v", action="store_true")
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.namespaces and args.all_namespaces:
+        parser.error("--namespace and --all-namespaces exclude each other")
+    if args.all_namespaces:
+        args.namespaces = [""]          # GRAFT_NAMESPACES empty: every namespace
     try:
-        settings = OperatorSettings.from_env()
+        settings = OperatorSettings.from_args(args, env)
     except ValueError as e:
         parser.error(str(e))     # a setting the operator cannot run with: said at once, exit 2
-    if args.namespace and args.all_namespaces:
-        parser.error("--namespace and --all-namespaces exclude each other")
-    if args.namespace:
-        settings.namespaces = args.namespace
-    elif args.all_namespaces:
-        settings.namespaces = []
-    for flag, attr in (("tick", "tick"), ("kube_server", "kube_server"), ("kubeconfig", "kubeconfig"),
-                       ("context", "kube_context"), ("peering", "peering")):
-        if getattr(args, flag) is not None:
-            setattr(settings, attr, getattr(args, flag))
     kopf.configure(verbose=args.verbose)
     logging.getLogger("httpx").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     asyncio.run(run(settings, priority=args.priority, liveness=args.liveness))
     return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`graft operator`'s flags: the settings' (graft.operator.settings), then how this replica runs."""
+    parser = argparse.ArgumentParser(prog="graft operator", description="Run the PatchRollout operator.",
+                                     epilog="Every setting may also be given by its environment variable; "
+                                            "the engines' admin token only so (GRAFT_ADMIN_TOKEN).")
+    add_setting_args(parser.add_argument_group("settings"))
+    parser.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
+    parser.add_argument("--priority", type=int, default=0,
+                        help="peering priority: of several replicas, the highest live one works")
+    parser.add_argument("--liveness", default=None, help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--verbose", "-v", action="store_true")
+    return parser

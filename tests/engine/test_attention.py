@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from graft.engine import attention as A
+from graft.engine.config import EngineConfig
 from graft.engine.loader import ModelConfig
 from graft.engine.models.llama import Attention
 from graft.engine.patches.slots import SLOT_NAMES
@@ -140,9 +141,9 @@ FAST_FAMILY = {"kv.store": A.store_kv, "kv.gather": A.gather_aligned, "attention
                "attention.decode": A.decode_attention_fast, "linear.qkv": A.qkv_fused}
 
 
-def test_default_table_is_the_plain_family():
+def test_the_plain_table_is_the_plain_family():
     policy, sampler = object(), object()
-    table = A.default_slots(policy, sampler)
+    table = A.default_slots(policy, sampler, "plain")
     assert set(PLAIN_FAMILY) | {"sampler", "scheduler.policy"} <= set(table) <= set(SLOT_NAMES)
     assert all(table[name] is impl for name, impl in PLAIN_FAMILY.items())
     assert table["scheduler.policy"] is policy and table["sampler"] is sampler
@@ -157,6 +158,8 @@ def test_a_fresh_engine_runs_the_fast_family_unless_asked_for_the_plain_one():
     assert A.prefill_attention_fast is dispatch.prefill_attention_fast
     assert A.decode_attention_fast is dispatch.decode_attention_fast
     assert A.default_slots(policy, sampler, "plain")["attention.decode"] is A.decode_attention_per_seq
+    # one default, EngineConfig's: a table made without naming the paths is the fast one
+    assert EngineConfig().paths == "fast" and A.default_slots(policy, sampler) == fast
     with pytest.raises(ValueError, match="fast or plain"):
         A.default_slots(policy, sampler, "3.2.0")
 
