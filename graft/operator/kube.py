@@ -79,6 +79,12 @@ class Kube:
     async def aclose(self) -> None:
         await self._client.aclose()
 
+    async def __aenter__(self) -> "Kube":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         reply = await self._client.request(method, path, extensions=self._extensions, **kwargs)
         if reply.status_code >= 400 and reply.status_code != 404:
