@@ -1,7 +1,8 @@
 """`graft rollout list [-n NS | -A] | status [-w] | pause | resume | promote [--full] | abort | retry | undo |
 history NAME | lint -f FILE | simulate -f FILE`, also `kubectl graft ...`.
 
-Each steering verb changes one field of the PatchRollout and the operator does the rest: `pause` sets
+Each steering verb changes one field of the PatchRollout and the operator does the rest (the verbs
+themselves live in graft.operator.actions, which the dashboard calls too): `pause` sets
 `spec.paused`, `resume` clears it and sets the annotation `graft.dev/resume: "true"` (which ends a
 pause the analysis decided, kept in status.pauseConditions), `promote` sets the annotation `graft.dev/promote` (`step` or `full`), `abort`
 sets `graft.dev/abort: "true"`. `status` shows the step, the weight, the pods and every metric
@@ -38,9 +39,11 @@ from typing import Any
 import httpx
 from rich.console import Console
 
-from graft.api import API_VERSION, FINAL_PHASES, Reason
-from graft.operator.kube import (Kube, KubeError, SyncKube, events_path, fleet_path, fleets_path, pods_path,
-                                 rollout_path, rollouts_path)
+from graft.api import FINAL_PHASES, Reason
+from graft.operator import actions
+from graft.operator.actions import ActionError, Done, list_of as _list_of, ref as _ref
+from graft.operator.actions import get as _get, read as _read, refusal as _refusal
+from graft.operator.kube import Kube, KubeError, SyncKube, events_path, fleets_path, pods_path, rollouts_path
 from graft.operator.kubeconfig import KubeconfigError, load_credentials
 from graft.operator.podview import condition
 from graft.operator.render import (HISTORY_COLUMNS, PHASE_STYLE, age, history_rows, print_table, render_status,
@@ -54,11 +57,10 @@ EXIT_CODES = ("exit codes: 0 done; 1 refused or failed (not found, a phase the v
               "the API server's refusal, lint errors); 2 usage (an unknown verb or flag, a missing or bad "
               "argument); `status -w` also 3 when the rollout finished RolledBack or Failed and 4 when it "
               "was deleted before it finished")
-UNDO_OF = "graft.dev/undo-of"   # on a rollout `graft rollout undo` created: the rollout it undoes
 
 
-class CliError(Exception):
-    pass
+class CliError(ActionError):
+    """The command cannot go on; the message says why (a verb's own refusals are ActionErrors)."""
 
 
 def main_rollout(argv: Sequence[str] | None = None, console: Console | None = None, admission=None) -> int:
@@ -80,7 +82,7 @@ def main_rollout(argv: Sequence[str] | None = None, console: Console | None = No
         api, namespace = _client(args.kubeconfig, args.context, args.namespace)
         with api:
             return args.run(api, namespace, args, console)
-    except CliError as e:
+    except ActionError as e:
         console.print(f"[red]error:[/red] {e}")
         return FAILED
     except httpx.TransportError as e:        # the API server did not answer at all
@@ -149,89 +151,32 @@ def _client(kubeconfig: str | None, context: str | None, namespace: str | None) 
     return SyncKube(lambda: Kube.from_credentials(creds)), namespace or creds.namespace
 
 
-def _refusal(e: KubeError) -> str:
-    return f"{e.status} {e.reason or 'refused'}: {e.message}" if e.message else f"{e.status} {e.reason}"
-
-
-def _get(api, namespace: str, name: str) -> dict[str, Any]:
-    obj = _read(api, namespace, name)
-    if obj is None:
-        raise CliError(f"PatchRollout {namespace}/{name} not found")
-    return obj
-
-
-def _read(api, namespace: str, name: str) -> dict[str, Any] | None:
-    """The rollout, or None when there is none of that name."""
-    try:
-        return api.get(rollout_path(namespace, name))
-    except KubeError as e:
-        raise CliError(f"cannot read PatchRollout {namespace}/{name}: {_refusal(e)}") from None
-
-
-def _patch(api: SyncKube, namespace: str, name: str, body: dict[str, Any], subresource: str = "") -> dict[str, Any]:
-    """A merge patch of the rollout (or of its `subresource`); CliError when it is gone or refused."""
-    _get(api, namespace, name)
-    what = f"the {subresource} of " if subresource else ""
-    try:
-        patched = api.merge_patch(rollout_path(namespace, name) + (f"/{subresource}" if subresource else ""), body)
-    except KubeError as e:
-        raise CliError(f"cannot change {what}PatchRollout {namespace}/{name}: {_refusal(e)}") from None
-    if patched is None:
-        raise CliError(f"PatchRollout {namespace}/{name} not found")
-    return patched
-
-
-def _annotate(api, namespace: str, name: str, key: str, value: str) -> None:
-    _patch(api, namespace, name, {"metadata": {"annotations": {key: value}}})
+def _say(console: Console, done: Done) -> int:
+    for note in done.notes:
+        console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+    console.print(done.message, highlight=False)
+    return 0
 
 
 def _pause(api, namespace, args, console) -> int:
-    _patch(api, namespace, args.name, {"spec": {"paused": True}})
-    console.print(f"PatchRollout {namespace}/{args.name} paused")
-    return 0
+    return _say(console, actions.pause(api, namespace, args.name))
 
 
 def _resume(api, namespace, args, console) -> int:
-    status = _get(api, namespace, args.name).get("status") or {}
-    _patch(api, namespace, args.name, {"spec": {"paused": False},
-                                       "metadata": {"annotations": {"graft.dev/resume": "true"}}})
-    ended = ", ".join(str(c.get("reason")) for c in status.get("pauseConditions") or [])
-    console.print(f"PatchRollout {namespace}/{args.name} resumed" + (f" (ends its {ended} pause)" if ended else ""))
-    return 0
+    return _say(console, actions.resume(api, namespace, args.name))
 
 
 def _promote(api, namespace, args, console) -> int:
-    phase = (_get(api, namespace, args.name).get("status") or {}).get("phase")
-    if phase in FINAL_PHASES:
-        raise CliError(f"PatchRollout {namespace}/{args.name} is {phase}: nothing to promote")
-    how = "full" if args.full else "step"
-    _annotate(api, namespace, args.name, "graft.dev/promote", how)
-    console.print(f"PatchRollout {namespace}/{args.name}: "
-                  + ("full promotion requested" if args.full else "promotion of the current step requested"))
-    return 0
+    return _say(console, actions.promote(api, namespace, args.name, full=args.full))
 
 
 def _abort(api, namespace, args, console) -> int:
-    phase = (_get(api, namespace, args.name).get("status") or {}).get("phase")
-    if phase in FINAL_PHASES:
-        raise CliError(f"PatchRollout {namespace}/{args.name} is {phase}: nothing to abort")
-    _annotate(api, namespace, args.name, "graft.dev/abort", "true")
-    console.print(f"PatchRollout {namespace}/{args.name}: abort requested")
-    return 0
+    return _say(console, actions.abort(api, namespace, args.name))
 
 
 def _retry(api, namespace, args, console) -> int:
     """Start a RolledBack or Failed rollout again from its first step: its controls and status cleared."""
-    phase = (_get(api, namespace, args.name).get("status") or {}).get("phase")
-    if phase not in ("RolledBack", "Failed"):
-        raise CliError(f"PatchRollout {namespace}/{args.name} is {phase or 'Pending'}: only a RolledBack or "
-                       "Failed rollout can be retried")
-    _patch(api, namespace, args.name, {"metadata": {"annotations": {"graft.dev/abort": None,
-                                                                    "graft.dev/promote": None,
-                                                                    "graft.dev/resume": None}}})
-    _patch(api, namespace, args.name, {"status": None}, subresource="status")
-    console.print(f"PatchRollout {namespace}/{args.name}: retrying from its first step (was {phase})")
-    return 0
+    return _say(console, actions.retry(api, namespace, args.name))
 
 
 def _status(api, namespace, args, console) -> int:
@@ -320,7 +265,7 @@ def _list(api, namespace, args, console) -> int:
     try:
         fleets = _list_of(api, where, fleets_path, "PatchFleets")
         left_out = ""
-    except CliError as e:
+    except ActionError as e:
         fleets, left_out = [], str(e)
     rows = sorted([_rollout_row(o, now) for o in rollouts] + [_fleet_row(o, now) for o in fleets],
                   key=lambda r: (r["namespace"], r["kind"] != "PatchRollout", r["name"]))
@@ -339,19 +284,6 @@ def _list(api, namespace, args, console) -> int:
     if left_out:
         console.print(f"[yellow]note:[/yellow] PatchFleets left out: {left_out}", highlight=False)
     return 0
-
-
-def _list_of(api: SyncKube, namespace: str | None, path, what: str) -> list[dict[str, Any]]:
-    """The objects at `path(namespace)` (None: every namespace); CliError when refused or when the
-    API server knows no such kind (its CRD is not installed)."""
-    where = "" if namespace is None else f" in {namespace}"
-    try:
-        got = api.get(path(namespace))
-    except KubeError as e:
-        raise CliError(f"cannot list {what}{where}: {_refusal(e)}") from None
-    if got is None:
-        raise CliError(f"cannot list {what}{where}: 404 NotFound (is its CRD installed?)")
-    return got.get("items") or []
 
 
 def _age(obj: dict[str, Any], now: float) -> str:
@@ -390,92 +322,18 @@ def _fleet_row(obj: dict[str, Any], now: float) -> dict[str, Any]:
             "converged": status.get("converged"), "activeRollout": status.get("activeRollout")}
 
 
-def _ref(patch: dict[str, Any]) -> str:
-    return f"{patch.get('name')}@{patch.get('version')}" if patch.get("name") else ""
-
-
 # -- undo -------------------------------------------------------------------------------------------
 
 def _undo(api, namespace, args, console) -> int:
-    """Create the rollout that undoes a Promoted one: its spec with the other action (apply <-> revert),
-    not paused, named NAME-undo (NAME-undo-2, -3, ... when taken), annotated with the rollout it
-    undoes. Refused: a rollout that is not Promoted (abort stops one in flight; one that rolled back
-    left nothing to undo), an upgrade (a revert would leave the pods with neither version), a fleet
-    that no longer runs what the rollout left (a later rollout changed it), and a rollout that an
-    earlier undo is still undoing."""
-    obj = _get(api, namespace, args.name)
-    where = f"PatchRollout {namespace}/{args.name}"
-    spec, status = obj.get("spec") or {}, obj.get("status") or {}
-    phase = status.get("phase") or "Pending"
-    if phase != "Promoted":
-        why = ("nothing of it stays on the pods" if phase in FINAL_PHASES
-               else f"graft rollout abort {args.name} rolls it back")
-        raise CliError(f"{where} is {phase}: only a Promoted rollout can be undone ({why})")
-    action = spec.get("action", "apply")
-    ref = _ref(spec.get("patch") or {})
-    if action == "apply" and status.get("stablePatch"):
-        raise CliError(f"{where} replaced {status['stablePatch']} with {ref}: a revert would leave the pods with "
-                       f"neither; roll {status['stablePatch']} out again with a PatchRollout of its own")
-    _fleet_still_runs(api, namespace, status.get("fleet"), ref, action, where, console)
-    rollouts = _list_of(api, namespace, rollouts_path, "PatchRollouts")
-    busy = next((o for o in rollouts if (o["metadata"].get("annotations") or {}).get(UNDO_OF) == args.name
-                 and _phase(o) not in FINAL_PHASES), None)
-    if busy is not None:
-        raise CliError(f"{where} is being undone already by PatchRollout {namespace}/{busy['metadata']['name']} "
-                       f"({_phase(busy) or 'Pending'})")
-    undo = "apply" if action == "revert" else "revert"
-    body = {"apiVersion": API_VERSION, "kind": "PatchRollout",
-            "metadata": {"annotations": {UNDO_OF: args.name}},
-            "spec": {**{k: v for k, v in spec.items() if k not in ("paused", "action")}, "action": undo}}
-    taken = {o["metadata"]["name"] for o in rollouts}
-    for name in _undo_names(args.name):
-        if name in taken:
-            continue
-        body["metadata"]["name"] = name
-        try:
-            api.create(rollouts_path(namespace), body)
-        except KubeError as e:
-            if e.status == 409:        # created meanwhile: the next name
-                continue
-            raise CliError(f"cannot create PatchRollout {namespace}/{name}: {_refusal(e)}") from None
-        if args.output == "name":
-            console.out(name, highlight=False)
-        else:
-            console.print(f"PatchRollout {namespace}/{name} created: it {'reverts' if undo == 'revert' else 'applies'}"
-                          f" {ref} step by step, undoing {args.name}", highlight=False)
+    """Create the rollout that undoes a Promoted one (graft.operator.actions.undo); `-o name` prints
+    the new rollout's name alone."""
+    done = actions.undo(api, namespace, args.name)
+    if args.output == "name":
+        for note in done.notes:
+            console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+        console.out(done.name, highlight=False)
         return 0
-    raise CliError(f"no free name for the undo of {where}")
-
-
-def _undo_names(name: str):
-    yield f"{name}-undo"
-    for i in range(2, 1000):
-        yield f"{name}-undo-{i}"
-
-
-def _fleet_still_runs(api, namespace: str, fleet: str | None, ref: str, action: str, where: str, console) -> None:
-    """Refuse when the rollout's PatchFleet runs something else now than what the rollout left: undoing
-    it would take out (or put back) what a later rollout decided. A fleet that cannot be read is not
-    checked (said so)."""
-    if not fleet:
-        return
-    try:
-        obj = api.get(fleet_path(namespace, fleet))
-    except KubeError as e:
-        obj, why = None, _refusal(e)
-    else:
-        why = "404 NotFound"
-    if obj is None:
-        console.print(f"[yellow]note:[/yellow] PatchFleet {namespace}/{fleet} not checked ({why})", highlight=False)
-        return
-    running = {p.get("name"): _ref(p) for p in (obj.get("spec") or {}).get("patches") or []}
-    name = ref.partition("@")[0]
-    runs = f"PatchFleet {namespace}/{fleet} runs {running[name]}" if name in running else \
-        f"PatchFleet {namespace}/{fleet} runs no version of {name}"
-    if action == "apply" and running.get(name) != ref:
-        raise CliError(f"{runs} now, not the {ref} that {where} applied: a later rollout changed it, undo that one")
-    if action == "revert" and name in running:
-        raise CliError(f"{runs} again since {where} reverted it: nothing to apply again")
+    return _say(console, done)
 
 
 # -- history ----------------------------------------------------------------------------------------
