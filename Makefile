@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup prometheus test test-fast demo bench llama-server images clean
+.PHONY: setup prometheus chromium test test-fast demo bench llama-server images clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,15 @@ prometheus:
 	    echo "Prometheus is missing: run 'sudo apt-get install prometheus' (Debian) or put it on PATH"; exit 1; \
 	  fi; }
 
+# the dashboard's browser tests: Debian's headless Chromium and its WebDriver (selenium drives it)
+chromium:
+	@{ command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver) >/dev/null; \
+	  else \
+	    echo "Chromium is missing: run 'sudo apt-get install chromium chromium-driver' (Debian) or put chromium and chromedriver on PATH"; exit 1; \
+	  fi; }
+
 # Two workers, a test file each at a time: much of the suite waits on timers and real processes,
 # so two files share the two cores well; a file's module fixtures (a fleet, an engine) stay in one
 # worker. TEST_WORKERS=0 runs everything in one process.
@@ -34,7 +43,7 @@ TEST_WORKERS ?= 2
 # operators, not spin (libgomp spins when it manages no more threads than there are cores).
 # Before the tests, the import contracts in pyproject.toml's [tool.importlinter] (which layer may
 # import which): under a second, and no cache left in the tree.
-test: setup prometheus
+test: setup prometheus chromium
 	$(VENV)/bin/lint-imports --no-cache
 	TRITON_INTERPRET=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=25
 

@@ -52,6 +52,11 @@ def crd_admission(folder):
     return Admission.load(folder)
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from graft.dashboard.cli import main as dashboard_main
+    return dashboard_main(args)
+
+
 def cmd_dev_cluster(args: argparse.Namespace) -> int:
     from graft.devcluster.cluster import main as cluster_main
     return cluster_main(args)
@@ -106,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
                                        "each", add_help=False)
     r.add_argument("rest", nargs=argparse.REMAINDER)
     r.set_defaults(func=cmd_rollout)
+
+    w = sub.add_parser("dashboard", help="the rollouts and fleets of a namespace, live in the browser, with the "
+                                         "rollout verbs (promote, pause, resume, abort, retry, undo)",
+                       description="Serve a live dashboard of a namespace's PatchRollouts and PatchFleets on "
+                                   "127.0.0.1 (by default), with your kubeconfig's credentials and rights.")
+    from graft.dashboard.cli import add_arguments as add_dashboard_args
+    add_dashboard_args(w)
+    w.set_defaults(func=cmd_dashboard)
 
     c = sub.add_parser("dev-cluster", help="a local stand-in cluster: API server, engine pods, Prometheus")
     c.add_argument("--dir", default=".graft-dev")
