@@ -117,6 +117,10 @@ class OperatorSettings:
                                      help="admin API calls in flight at once")
     admin_retries: int = setting(2, env="GRAFT_ADMIN_RETRIES", minimum=0,
                                  help="retries of a call that did not reach the engine")
+    fleet_resync: float = setting(300.0, env="GRAFT_FLEET_RESYNC_SECONDS", positive=True,
+                                  help="seconds before an engine's known revision is asked again (jittered)")
+    fleet_admin_concurrency: int = setting(8, env="GRAFT_FLEET_ADMIN_CONCURRENCY", minimum=1,
+                                           help="a fleet's revision questions in flight at once")
     prometheus_timeout: float = setting(5.0, env="GRAFT_PROMETHEUS_TIMEOUT", positive=True,
                                         help="seconds per Prometheus query")
     prometheus_address: str = setting("http://prometheus.monitoring:9090", env="GRAFT_PROMETHEUS_ADDRESS",
