@@ -57,7 +57,10 @@ from graft.api import FINAL_PHASES as FINAL
 from graft.bench.data import bbh_prompts
 from graft.devcluster.cluster import APP, ROOT, ClusterOptions, DevCluster, object_path
 from graft.devcluster.traffic import TRAFFIC_TASKS, TrafficStats
+from graft.adminapi import AdminClient, AdminError
+from graft.operator.kube import Kube, KubeError, fleet_path, pods_path, scale_path
 from graft.operator.pods import PATCHES_ANNOTATION, TRACK_LABEL, admin_address, is_ready
+from graft.operator.podview import PodView, condition
 from graft.operator.render import render_status
 from graft.rollout.durations import format_duration, parse_duration
 from graft.rollout.fleet import PATCHED_CONDITION
@@ -324,13 +327,9 @@ class Timeline:
                              "run": analysis.get("lastRun"), "results": results})
 
 
-def condition(pod: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == kind), {})
-
-
 def _running(pod: dict[str, Any]) -> bool:
     """Its container is up and passes its readiness probe (the gate aside): its engine can be asked."""
-    return condition(pod, "ContainersReady").get("status") == "True"
+    return PodView.of(pod).is_true("ContainersReady")
 
 
 @dataclass
@@ -366,11 +365,13 @@ class Join:
             self.engine_revisions.append(revision)
         if revision == self.revision:
             self.moments.setdefault("patched", now)
-        if condition(pod, PATCHED_CONDITION).get("status") == "True":
+        view = PodView.of(pod)
+        if view.is_true(PATCHED_CONDITION):
             self.moments.setdefault("gate", now)
         if is_ready(pod):
             self.moments.setdefault("ready", now)
-            self.ready_condition = self.ready_condition or condition(pod, "Ready").get("lastTransitionTime")
+            ready = view.condition("Ready")
+            self.ready_condition = self.ready_condition or (ready.last_transition_time if ready else None)
             if self.revision_at_ready is None and revision is not None:
                 self.revision_at_ready = revision
                 if revision != self.revision:
@@ -439,13 +440,13 @@ def pods_table(pods: Sequence[dict[str, Any]], stats: TrafficStats | None) -> Ta
     by_pod = stats.by_pod() if stats else {}
     for p in sorted(pods, key=lambda p: p["metadata"]["name"]):
         name, meta = p["metadata"]["name"], p["metadata"]
-        gate = condition(p, PATCHED_CONDITION).get("status")
-        cs = ((p.get("status") or {}).get("containerStatuses") or [{}])[0]
+        pod = PodView.of(p)
+        gate = pod.condition(PATCHED_CONDITION)
+        cs = pod.container_status(None)
         table.add_row(name, "[green]yes[/]" if is_ready(p) else "[yellow]no[/]",
-                      {"True": "open", "False": "closed"}.get(gate or "", "-"),
-                      (meta.get("labels") or {}).get(TRACK_LABEL, "-"),
-                      (meta.get("annotations") or {}).get(PATCHES_ANNOTATION, "-"),
-                      str(cs.get("restartCount", 0)), str(by_pod.get(name, 0)))
+                      {"True": "open", "False": "closed"}.get(gate.status if gate else "", "-"),
+                      pod.labels.get(TRACK_LABEL, "-"), pod.annotations.get(PATCHES_ANNOTATION, "-"),
+                      str(cs.restart_count if cs else 0), str(by_pod.get(name, 0)))
     return table
 
 
@@ -474,9 +475,8 @@ def join_view(join: Join, pods: Sequence[dict[str, Any]], fleet: dict[str, Any] 
     for key, label in MOMENTS:
         head.add_row(f"  {label}", join.after(key) if key in join.moments else "[dim]waiting[/]")
     head.add_row("engine answered", " -> ".join(join.engine_revisions) or "-")
-    converged = next((c for c in ((fleet or {}).get("status") or {}).get("conditions") or []
-                      if c.get("type") == "Converged"), {})
-    head.add_row(f"PatchFleet {FLEET}", converged.get("message") or "-")
+    converged = condition(fleet, "Converged")
+    head.add_row(f"PatchFleet {FLEET}", (converged.message if converged else None) or "-")
     return Group(header(stats, paths), Panel(head, title="the fleet's durable state"), pods_table(pods, stats))
 
 
@@ -484,12 +484,13 @@ def join_view(join: Join, pods: Sequence[dict[str, Any]], fleet: dict[str, Any] 
 async def open_fleet(cluster: DevCluster, pods: int, timeout: float) -> None:
     """The fleet at `base`: a PatchFleet with no patch, whose controller opens each pod's readiness
     gate once it has seen its engine run `base` (with no fleet at all the gates stay shut)."""
-    assert cluster.api is not None
-    reply = await cluster.api.post(f"/apis/graft.dev/v1alpha1/namespaces/{cluster.namespace}/patchfleets", json={
-        "apiVersion": "graft.dev/v1alpha1", "kind": "PatchFleet", "metadata": {"name": FLEET},
-        "spec": {"selector": {"matchLabels": dict(APP)}, "patches": []}})
-    if reply.status_code >= 400:
-        raise DemoError(f"cannot create the PatchFleet {FLEET}: {reply.status_code} {reply.text[:200]}")
+    async with kube_of(cluster) as kube:
+        try:
+            await kube.create(fleet_path(cluster.namespace), {
+                "apiVersion": "graft.dev/v1alpha1", "kind": "PatchFleet", "metadata": {"name": FLEET},
+                "spec": {"selector": {"matchLabels": dict(APP)}, "patches": []}})
+        except KubeError as e:
+            raise DemoError(f"cannot create the PatchFleet {FLEET}: {e}") from None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         current = await cluster.pod_objects()
@@ -499,46 +500,52 @@ async def open_fleet(cluster: DevCluster, pods: int, timeout: float) -> None:
     raise DemoError(f"the PatchFleet {FLEET} did not open the pods' readiness gates within {timeout:g} s")
 
 
-async def engine_revision(client: httpx.AsyncClient, pod: dict[str, Any], token: str) -> str | None:
+def kube_of(cluster: DevCluster) -> Kube:
+    """Graft's Kubernetes client on the dev cluster's API server (plain http, no credentials)."""
+    return Kube(cluster.api_server.url, timeout=10.0)
+
+
+async def engine_revision(admin: AdminClient, pod: dict[str, Any]) -> str | None:
     """The revision the pod's engine runs, asked of its admin API; None while it cannot answer."""
     address = admin_address(pod, ADMIN_PORT)
     if address is None:
         return None
     try:
-        r = await client.get(f"http://{address[0]}:{address[1]}/admin/patches",
-                             headers={"Authorization": f"Bearer {token}"})
-        return r.json().get("revision") if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
+        return await admin.revision(*address)
+    except AdminError:
         return None
 
 
-async def scale_up(api: httpx.AsyncClient, namespace: str, token: str, revision: str, stats: TrafficStats,
+async def scale_up(kube: Kube, namespace: str, token: str, revision: str, stats: TrafficStats,
                    timeout: float, on_sample: Callable[[Join, list[dict[str, Any]]], Any] | None = None,
                    interval: float = 0.25) -> Join:
     """Add one pod to the engine Deployment (its scale subresource, as `kubectl scale` does) and
     follow it until it is Ready running `revision` and has answered a client request; `error` says
     what did not happen when `timeout` seconds pass first, or when it turns Ready on another revision."""
-    scale_path = f"/apis/apps/v1/namespaces/{namespace}/deployments/{DEPLOYMENT}/scale"
-    pods_path = f"/api/v1/namespaces/{namespace}/pods"
-    scale = await api.get(scale_path)
-    if scale.status_code != 200:
-        raise DemoError(f"cannot read the scale of deployment/{DEPLOYMENT}: {scale.status_code} {scale.text[:200]}")
-    before = int(scale.json()["spec"]["replicas"])
-    known = {p["metadata"]["name"] for p in (await api.get(pods_path)).json()["items"]}
-    reply = await api.patch(scale_path, json={"spec": {"replicas": before + 1}},
-                            headers={"content-type": "application/merge-patch+json"})
-    if reply.status_code >= 400:
-        raise DemoError(f"cannot scale deployment/{DEPLOYMENT}: {reply.status_code} {reply.text[:200]}")
+    scale = scale_path(namespace, DEPLOYMENT)
+    try:
+        current = await kube.get(scale)
+    except KubeError as e:
+        current, why = None, str(e)
+    else:
+        why = "404: not found"
+    if current is None:
+        raise DemoError(f"cannot read the scale of deployment/{DEPLOYMENT}: {why}")
+    before = int(current["spec"]["replicas"])
+    known = {p["metadata"]["name"] for p in await kube.list(pods_path(namespace))}
+    try:
+        await kube.merge_patch(scale, {"spec": {"replicas": before + 1}})
+    except KubeError as e:
+        raise DemoError(f"cannot scale deployment/{DEPLOYMENT}: {e}") from None
     join = Join(revision, (before, before + 1), time.time())
     deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=2.0) as admin:
+    async with AdminClient(token, timeout=2.0, retries=0) as admin:
         while True:
-            pods = (await api.get(pods_path)).json()["items"]
+            pods = await kube.list(pods_path(namespace))
             new = sorted((p for p in pods if p["metadata"]["name"] not in known),
                          key=lambda p: p["metadata"].get("creationTimestamp") or "")
             if new:
-                join.observe(new[0], await engine_revision(admin, new[0], token) if _running(new[0]) else None,
-                             stats)
+                join.observe(new[0], await engine_revision(admin, new[0]) if _running(new[0]) else None, stats)
             if on_sample is not None:
                 on_sample(join, pods)
             if join.done or join.error:
@@ -582,8 +589,6 @@ async def run_rollout(cluster: DevCluster, ro: dict[str, Any], traffic, console:
 async def run_scale_up(cluster: DevCluster, traffic, console: Console, revision: str, timeout: float,
                        paths: DemoPaths) -> tuple[Join, list[dict[str, Any]]]:
     """The scale-up with its live view; the PatchFleet's Events from the scale on come back with it."""
-    assert cluster.api is not None
-    fleet_path = f"/apis/graft.dev/v1alpha1/namespaces/{cluster.namespace}/patchfleets/{FLEET}"
     fleet: dict[str, Any] | None = None
     with Live(console=console, refresh_per_second=4, transient=False) as live:
         def show(join: Join, pods: list[dict[str, Any]]) -> None:
@@ -592,15 +597,16 @@ async def run_scale_up(cluster: DevCluster, traffic, console: Console, revision:
         async def follow_fleet() -> None:
             nonlocal fleet
             while True:
-                fleet = await cluster.get(fleet_path)
+                fleet = await kube.get(fleet_path(cluster.namespace, FLEET))
                 await asyncio.sleep(1.0)
 
-        follower = asyncio.create_task(follow_fleet())
-        try:
-            join = await scale_up(cluster.api, cluster.namespace, cluster.token, revision, traffic.stats, timeout,
-                                  on_sample=show)
-        finally:
-            follower.cancel()
+        async with kube_of(cluster) as kube:
+            follower = asyncio.create_task(follow_fleet())
+            try:
+                join = await scale_up(kube, cluster.namespace, cluster.token, revision, traffic.stats, timeout,
+                                      on_sample=show)
+            finally:
+                follower.cancel()
     events = [e for e in await cluster.events(FLEET) if (e.get("involvedObject") or {}).get("kind") == "PatchFleet"
               and _epoch(e.get("lastTimestamp") or e.get("eventTime")) >= join.scaled_at - 1]
     return join, events
@@ -614,8 +620,8 @@ async def abort_unfinished(cluster: DevCluster, ro: dict[str, Any], timeout: flo
     """A rollout still running when its time is up is aborted (graft.dev/abort): the operator runs one
     rollout per fleet at a time, so the next would wait behind it for ever."""
     name = ro["metadata"]["name"]
-    await cluster.api.patch(object_path(ro), json={"metadata": {"annotations": {"graft.dev/abort": "true"}}},
-                            headers={"content-type": "application/merge-patch+json"})
+    async with kube_of(cluster) as kube:
+        await kube.merge_patch(object_path(ro), {"metadata": {"annotations": {"graft.dev/abort": "true"}}})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         cur = await cluster.rollout(name)
