@@ -119,7 +119,7 @@ def _ordered(node: dict[str, Any]) -> dict[str, Any]:
 
 def crd(kind: Kind) -> dict[str, Any]:
     """The CustomResourceDefinition of `kind`."""
-    spec = {**model_schema(kind.spec), "description": kind.spec_description}
+    spec = {**model_schema(kind.spec), "description": " ".join(kind.spec_description.split())}
     properties: dict[str, Any] = {name: {"description": text, "type": "object" if name == "metadata" else "string"}
                                   for name, text in _ENVELOPE.items()}
     properties["spec"] = _ordered(spec)
@@ -127,7 +127,8 @@ def crd(kind: Kind) -> dict[str, Any]:
         status = model_schema(kind.status)
         # every field the operator writes is declared (tests/rollout/test_crdgen.py holds it); what an
         # older operator wrote stays readable
-        status = {**status, "description": kind.status_description, "x-kubernetes-preserve-unknown-fields": True}
+        status = {**status, "description": " ".join(kind.status_description.split()),
+                  "x-kubernetes-preserve-unknown-fields": True}
         properties["status"] = _ordered(status)
     version: dict[str, Any] = {"name": VERSION, "served": True, "storage": True}
     if kind.status is not None:

@@ -1,18 +1,27 @@
 """The PatchRollout `status`: where a rollout stands, kept in the object so a restarted operator
 resumes the same step without re-patching anything.
 
-Times are epoch seconds in memory and RFC 3339 strings (UTC, milliseconds) in the object.
+The operator works on the dataclasses here; what the object holds is the status model
+(graft.rollout.models.patchrollout.PatchRolloutStatus, from which the CRD's status schema is
+generated): `to_dict` writes a status through it and `from_dict` reads one through it, field by field
+by the same names, so a field the operator writes is one the schema declares. Times are epoch
+seconds in memory and RFC 3339 strings (UTC, milliseconds) in the object.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
-import math
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
+from pydantic import BaseModel
+
 from graft.api import FINAL_PHASES, Phase, Track
+from graft.rollout.models import patchrollout as model
+from graft.rollout.models.base import from_time, to_time
+
+__all__ = ["to_time", "from_time", "PodRecord", "CheckResult", "AnalysisRun", "AnalysisStatus", "RolloutStatus"]
 
 # plain strings, as the object stores them (YAML and JSON writers take no enum)
 PENDING, PROGRESSING, PAUSED = Phase.PENDING.value, Phase.PROGRESSING.value, Phase.PAUSED.value
@@ -22,16 +31,18 @@ PHASES = tuple(p.value for p in Phase)
 CANARY, STABLE = Track.CANARY.value, Track.STABLE.value
 
 
-def to_time(t: float | None) -> str | None:
-    if t is None:
-        return None
-    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+def _write(model: type[BaseModel], obj: Any) -> dict[str, Any]:
+    """`obj` (a dataclass here) as the status model writes it: the model's names, its encodings."""
+    return model.model_validate(obj).model_dump(mode="json", by_alias=True)
 
 
-def from_time(text: str | None) -> float | None:
-    if not text:
-        return None
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+def _read(model: type[BaseModel], d: Any) -> BaseModel:
+    return model.model_validate(d if isinstance(d, dict) else {})
+
+
+def _given(m: BaseModel, *names: str) -> dict[str, Any]:
+    """The fields of model object `m` that hold a value, by their Python names (the dataclass's)."""
+    return {n: getattr(m, n) for n in names if getattr(m, n) is not None}
 
 
 @dataclass(slots=True)
@@ -47,14 +58,15 @@ class PodRecord:
     patched_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return _compact({"name": self.name, "uid": self.uid, "containerID": self.container_id,
-                         "restartCount": self.restart_count, "track": self.track,
-                         "revision": self.revision, "patchedAt": to_time(self.patched_at)})
+        return _write(model.PodStatus, self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "PodRecord":
-        return cls(d["name"], d.get("uid", ""), d.get("containerID", ""), int(d.get("restartCount", 0)),
-                   d.get("track", STABLE), d.get("revision"), from_time(d.get("patchedAt")))
+        return cls._of(_read(model.PodStatus, d))
+
+    @classmethod
+    def _of(cls, m: model.PodStatus) -> "PodRecord":
+        return cls(**_given(m, *POD_FIELDS))
 
 
 @dataclass(slots=True)
@@ -75,28 +87,20 @@ class CheckResult:
     numbers: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return _compact({"name": self.name, "role": self.role, "value": _finite(self.value),
-                         "threshold": self.threshold, "window": self.window, "verdict": self.verdict,
-                         "breaches": self.breaches, "dryRun": self.dry_run or None,
-                         "conclusive": self.conclusive or None, "short": self.short or None,
-                         "message": self.message,
-                         "numbers": {k: float(f"{v:.6g}") for k, v in self.numbers.items()
-                                     if _finite(v) is not None} or None})
+        return _write(model.CheckStatus, self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CheckResult":
-        return cls(d["name"], d.get("verdict", ""), d.get("threshold", ""), d.get("window", ""),
-                   d.get("value"), int(d.get("breaches", 0)), bool(d.get("dryRun", False)),
-                   d.get("message", ""), d.get("role", "breaker"), bool(d.get("conclusive", False)),
-                   bool(d.get("short", False)), dict(d.get("numbers") or {}))
+        return cls._of(_read(model.CheckStatus, d))
+
+    @classmethod
+    def _of(cls, m: model.CheckRecord) -> "CheckResult":
+        return cls(**_given(m, *(f for f in CHECK_FIELDS if f in type(m).model_fields)))
 
     def to_record(self) -> dict[str, Any]:
-        """The check as `status.analysisHistory` keeps it: its numbers without the sentence (a run of
-        forty checks a hundred times over must stay far below the object's size limit)."""
-        d = self.to_dict()
-        d.pop("message", None)
-        d.pop("short", None)
-        return d
+        """The check as `status.analysisHistory` keeps it (CheckRecord): its numbers without the
+        sentence (a run of forty checks a hundred times over must stay far below the object's size limit)."""
+        return _write(model.CheckRecord, self)
 
 
 @dataclass(slots=True)
@@ -110,13 +114,15 @@ class AnalysisRun:
     results: list[CheckResult] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"time": to_time(self.time), "step": self.step, "verdict": self.verdict,
-                "results": [r.to_record() for r in self.results]}
+        return _write(model.AnalysisRunStatus, self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "AnalysisRun":
-        return cls(from_time(d.get("time")) or 0.0, int(d.get("step") or 0), d.get("verdict") or "",
-                   [CheckResult.from_dict(r) for r in d.get("results") or [] if isinstance(r, dict) and "name" in r])
+        return cls._of(_read(model.AnalysisRunStatus, d))
+
+    @classmethod
+    def _of(cls, m: model.AnalysisRunStatus) -> "AnalysisRun":
+        return cls(m.time or 0.0, m.step or 0, m.verdict or "", [CheckResult._of(r) for r in m.results or ()])
 
 
 @dataclass(slots=True)
@@ -137,20 +143,20 @@ class AnalysisStatus:
         return next((r for r in self.results if r.name == name and (role is None or r.role == role)), None)
 
     def to_dict(self) -> dict[str, Any]:
-        # outageSince is written when None too: the status is merge-patched, and null clears it
-        return {**_compact({"lastRun": to_time(self.last_run), "verdict": self.verdict,
-                            "inconclusiveRuns": self.inconclusive_runs, "errorRuns": self.error_runs,
-                            "outageSeconds": round(self.outage_seconds, 3),
-                            "results": [r.to_dict() for r in self.results]}),
-                "outageSince": to_time(self.outage_since)}
+        # outageSince is written when None too (the model's `always`): the status is merge-patched, and
+        # null clears it
+        return _write(model.AnalysisStatus, self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "AnalysisStatus":
-        d = d or {}
-        return cls(from_time(d.get("lastRun")), d.get("verdict"),
-                   [CheckResult.from_dict(r) for r in d.get("results") or []],
-                   int(d.get("inconclusiveRuns") or 0), int(d.get("errorRuns") or 0),
-                   from_time(d.get("outageSince")), float(d.get("outageSeconds") or 0.0))
+        return cls._of(_read(model.AnalysisStatus, d))
+
+    @classmethod
+    def _of(cls, m: model.AnalysisStatus | None) -> "AnalysisStatus":
+        if m is None:
+            return cls()
+        plain = _given(m, "last_run", "verdict", "inconclusive_runs", "error_runs", "outage_since", "outage_seconds")
+        return cls(**plain, results=[CheckResult._of(r) for r in m.results or ()])
 
 
 @dataclass(slots=True)
@@ -208,24 +214,14 @@ class RolloutStatus:
         out.analysis_history = list(history)
         return out
 
+    @property
+    def step(self) -> int:
+        """The current step counted from 1, as Events, the CLI and `status.step` count it."""
+        return self.step_index + 1
+
     def to_dict(self) -> dict[str, Any]:
         """The status as stored; fields with no value are written as None so a merge patch clears them."""
-        return {
-            "phase": self.phase, "reason": self.reason, "message": self.message, "patch": self.patch,
-            "stepIndex": self.step_index, "weight": self.weight,
-            "stableRevision": self.stable_revision, "canaryRevision": self.canary_revision,
-            "startedAt": to_time(self.started_at), "stepStartedAt": to_time(self.step_started_at),
-            "stepReadyAt": to_time(self.step_ready_at), "endPhase": self.end_phase or None, "cause": self.cause or None,
-            "fullPromotion": self.full_promotion, "observedGeneration": self.observed_generation,
-            "awaitingApprovalSince": to_time(self.awaiting_approval_since),
-            "pauseConditions": self.pause_conditions or None, "fleet": self.fleet or None,
-            "stablePatch": self.stable_patch or None,
-            "step": self.step_index + 1, "canaryPods": self.canary_pods, "trafficShare": self.traffic_share,
-            "pods": [p.to_dict() for p in self.pods],
-            "analysis": self.analysis.to_dict(),
-            "analysisHistory": [r.to_dict() for r in self.analysis_history] or None,
-            "conditions": self.conditions or None,
-        }
+        return _write(model.PatchRolloutStatus, self)
 
     def refresh_conditions(self, now: float) -> None:
         """Conditions as the Kubernetes API conventions spell them; a transition time moves only when
@@ -254,24 +250,15 @@ class RolloutStatus:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "RolloutStatus":
-        d = d or {}
-        return cls(
-            phase=d.get("phase") or PENDING, reason=d.get("reason") or "", message=d.get("message") or "",
-            patch=d.get("patch") or "", step_index=int(d.get("stepIndex") or 0),
-            weight=int(d.get("weight") or 0), stable_revision=d.get("stableRevision") or "",
-            canary_revision=d.get("canaryRevision") or "", started_at=from_time(d.get("startedAt")),
-            step_started_at=from_time(d.get("stepStartedAt")), step_ready_at=from_time(d.get("stepReadyAt")),
-            end_phase=d.get("endPhase") or "", cause=d.get("cause") or "", full_promotion=bool(d.get("fullPromotion")),
-            observed_generation=int(d.get("observedGeneration") or 0),
-            awaiting_approval_since=from_time(d.get("awaitingApprovalSince")),
-            pause_conditions=[dict(c) for c in d.get("pauseConditions") or [] if isinstance(c, dict)],
-            fleet=d.get("fleet") or "", stable_patch=d.get("stablePatch") or "", canary_pods=int(d.get("canaryPods") or 0),
-            traffic_share=float(d.get("trafficShare") or 0.0),
-            conditions=[dict(c) for c in d.get("conditions") or []],
-            pods=[PodRecord.from_dict(p) for p in d.get("pods") or []],
-            analysis=AnalysisStatus.from_dict(d.get("analysis")),
-            analysis_history=[AnalysisRun.from_dict(r) for r in d.get("analysisHistory") or [] if isinstance(r, dict)],
-        )
+        m = _read(model.PatchRolloutStatus, d)
+        plain = _given(m, *(f.name for f in dataclasses.fields(cls)
+                            if f.name not in ("pods", "analysis", "analysis_history", "pause_conditions", "conditions")))
+        return cls(**plain,
+                   pods=[PodRecord._of(p) for p in m.pods or ()],
+                   analysis=AnalysisStatus._of(m.analysis),
+                   analysis_history=[AnalysisRun._of(r) for r in m.analysis_history or ()],
+                   pause_conditions=[c.model_dump(by_alias=True) for c in m.pause_conditions or ()],
+                   conditions=[c.model_dump(by_alias=True) for c in m.conditions or ()])
 
 
 def _reason(text: str) -> str:
@@ -279,10 +266,5 @@ def _reason(text: str) -> str:
     return "".join(ch for ch in text if ch.isalnum()) or "Unknown"
 
 
-def _finite(value: float | None) -> float | None:
-    """A number a status can hold (JSON has no NaN or Inf): non-finite values are written as none."""
-    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
-def _compact(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if v is not None}
+POD_FIELDS = tuple(f.name for f in dataclasses.fields(PodRecord))
+CHECK_FIELDS = tuple(f.name for f in dataclasses.fields(CheckResult))

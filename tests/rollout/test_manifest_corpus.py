@@ -1,6 +1,10 @@
 """One verdict for every manifest: the CRD (through the API server emulator, which applies the schema
 and evaluates CEL rules as kube-apiserver does) and parse_spec (what the operator checks, against an
 older CRD or an API server that skips rules) accept and refuse the same specs, naming the same field.
+The same holds for PatchFleets (parse_fleet_spec) and both analysis template kinds (read by parse_spec
+for a rollout that names them). Both sides now come from graft.rollout.models; the cases include
+where they once drifted apart (an upper-case digest, unbounded durations, keys and arguments, a
+Secret name the CRD took).
 
 Except for what a structural schema cannot say (OPERATOR_ONLY): a step's `pause` is a duration string
 or `{}` (a manual approval step, Argo Rollouts' spelling), and a field that may be either has no type,
@@ -17,7 +21,7 @@ import aiohttp
 import pytest
 
 from graft.devcluster.apiserver import ApiServer
-from graft.rollout.spec import SpecError, parse_spec
+from graft.rollout.spec import SpecError, parse_fleet_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLLOUTS = "/apis/graft.dev/v1alpha1/namespaces/default/patchrollouts"
@@ -154,6 +158,35 @@ INVALID = [
     ("ttl-float", setting("ttlSecondsAfterFinished", 1.5), "spec.ttlSecondsAfterFinished"),
     ("ttl-string", setting("ttlSecondsAfterFinished", "1h"), "spec.ttlSecondsAfterFinished"),
     ("unknown-top-field", setting("replicas", 3), "spec.replicas"),
+    # where the CRD and the operator's reader once disagreed (both now read graft.rollout.models)
+    ("source-digest-upper-case", setting("patch.source", {"configMap": {"name": "b", "key": "p.py"},
+                                                         "digest": DIGEST.upper().replace("SHA256", "sha256")}),
+     "spec.patch.source.digest"),
+    ("source-builtin-with-digest", setting("patch.source", {"builtin": {}, "digest": DIGEST}), "spec.patch.source"),
+    ("interval-33-characters", setting("analysis.interval", "1" * 32 + "s"), "spec.analysis.interval"),
+    ("outage-limit-33-characters", setting("analysis.outageLimit", "0" * 32 + "s"), "spec.analysis.outageLimit"),
+    ("deadline-33-characters", setting("progressDeadline", "1" * 32 + "m"), "spec.progressDeadline"),
+    # 400 digits once parsed to inf seconds and broke query planning
+    ("window-400-digits", setting("analysis.breakers.0.window", "1" * 399 + "s"), "spec.analysis.breakers[0].window"),
+    ("selector-expression-value-64", setting("selector", {"matchExpressions": [
+        {"key": "app", "operator": "In", "values": ["a" * 64]}]}), "spec.selector.matchExpressions[0].values[0]"),
+    ("selector-in-without-values", setting("selector", {"matchLabels": {"app": "llm-engine"}, "matchExpressions": [
+        {"key": "tier", "operator": "In"}]}), "spec.selector.matchExpressions[0]"),
+    ("configmap-key-254", setting("patch.source", {"configMap": {"name": "b", "key": "k" * 254}, "digest": DIGEST}),
+     "spec.patch.source.configMap.key"),
+    ("configmap-key-slash", setting("patch.source", {"configMap": {"name": "b", "key": "a/p.py"}, "digest": DIGEST}),
+     "spec.patch.source.configMap.key"),
+    ("prometheus-address-2049", setting("analysis.prometheus", {"address": "http://" + "p" * 2042}),
+     "spec.analysis.prometheus.address"),
+    ("secret-name-not-dns", setting("analysis.prometheus", {"bearerTokenSecret": {"name": "Prom_Token", "key": "t"}}),
+     "spec.analysis.prometheus.bearerTokenSecret.name"),
+    ("secret-key-254", setting("analysis.prometheus", {"caSecret": {"name": "prom-ca", "key": "k" * 254}}),
+     "spec.analysis.prometheus.caSecret.key"),
+    ("header-value-newline", setting("analysis.prometheus", {"headers": [{"name": "X-Org", "value": "a\nb"}]}),
+     "spec.analysis.prometheus.headers[0].value"),
+    ("template-argument-1025", setting("analysis.args", [{"name": "tenant", "value": "t" * 1025}]),
+     "spec.analysis.args[0].value"),
+    ("gate-consecutive", setting("analysis.gates.0.consecutive", 2), "spec.analysis.gates"),
 ]
 # valid edge cases both must accept
 VALID_EDGES = [
@@ -260,3 +293,115 @@ def test_the_pause_field_is_structural_and_hidden_from_cel():
     rules = [r["rule"] for r in steps.get("x-kubernetes-validations", [])
              + steps["items"].get("x-kubernetes-validations", [])]
     assert rules and not any("pause" in r for r in rules)
+
+
+# -- the other kinds: a PatchFleet (parse_fleet_spec) and the analysis templates (read by parse_spec
+# for a rollout that names them, errors at the template's own field paths) ---------------------------
+
+FLEETS = "/apis/graft.dev/v1alpha1/namespaces/default/patchfleets"
+TEMPLATE_PATHS = {"PatchAnalysisTemplate": "/apis/graft.dev/v1alpha1/namespaces/default/patchanalysistemplates",
+                  "ClusterPatchAnalysisTemplate": "/apis/graft.dev/v1alpha1/clusterpatchanalysistemplates"}
+FLEET = {"selector": {"matchLabels": {"app": "llm-engine"}},
+         "patches": [{"name": "kv-align", "version": "3.2.1", "source": {"builtin": {}}},
+                     {"name": "sync-free", "version": "1.0.0",
+                      "source": {"configMap": {"name": "b", "key": "p.py"}, "digest": DIGEST}}],
+         "revisionHistoryLimit": 5}
+INVALID_FLEETS = [
+    ("no-selector", setting("selector", DELETE), "spec.selector"),
+    ("selector-notin-alone", setting("selector", {"matchExpressions": [
+        {"key": "app", "operator": "NotIn", "values": ["db"]}]}), "spec.selector"),
+    ("selector-value-64", setting("selector.matchLabels", {"app": "a" * 64}), "spec.selector.matchLabels"),
+    ("patch-name-upper", setting("patches.0.name", "KV"), "spec.patches[0].name"),
+    ("patch-no-version", setting("patches.0.version", DELETE), "spec.patches[0].version"),
+    ("patch-twice", setting("patches.1.name", "kv-align"), "spec.patches[1]"),
+    ("patches-33", setting("patches", [{"name": f"p{i}", "version": "1"} for i in range(33)]), "spec.patches"),
+    ("patch-config-not-object", setting("patches.0.config", "x"), "spec.patches[0].config"),
+    ("digest-upper-case", setting("patches.1.source.digest", DIGEST.upper().replace("SHA256", "sha256")),
+     "spec.patches[1].source.digest"),
+    ("configmap-key-254", setting("patches.1.source.configMap.key", "k" * 254), "spec.patches[1].source.configMap.key"),
+    ("builtin-with-digest", setting("patches.0.source", {"builtin": {}, "digest": DIGEST}), "spec.patches[0].source"),
+    ("history-limit-negative", setting("revisionHistoryLimit", -1), "spec.revisionHistoryLimit"),
+    ("history-limit-string", setting("revisionHistoryLimit", "5"), "spec.revisionHistoryLimit"),
+    ("unknown-field", setting("replicas", 3), "spec.replicas"),
+]
+TEMPLATE = {"args": [{"name": "job", "value": "engine"}, {"name": "tenant"}],
+            "breakers": [{"name": "ttft-p99", "maxRatio": 1.5, "consecutive": 2}],
+            "gates": [{"name": "success-rate", "min": 0.999, "window": "60s"}]}
+INVALID_TEMPLATES = [
+    ("breaker-no-threshold", setting("breakers.0", {"name": "cpu"}), "spec.breakers[0]"),
+    ("breaker-unknown-metric", setting("breakers.0", {"name": "x", "metric": "vibes", "max": 1}),
+     "spec.breakers[0].metric"),
+    ("breaker-window-400-digits", setting("breakers.0.window", "1" * 399 + "s"), "spec.breakers[0].window"),
+    ("breakers-21", setting("breakers", [{"name": f"c{i}", "query": "up", "max": 1} for i in range(21)]),
+     "spec.breakers"),
+    ("gate-consecutive", setting("gates.0.consecutive", 3), "spec.gates"),
+    ("gate-min-over-max", setting("gates.0", {"name": "x", "query": "up", "min": 2, "max": 1}), "spec.gates[0]"),
+    ("arg-name-digit", setting("args.0.name", "1st"), "spec.args[0].name"),
+    ("arg-value-1025", setting("args.0.value", "v" * 1025), "spec.args[0].value"),
+    ("args-33", setting("args", [{"name": f"a{i}"} for i in range(33)]), "spec.args"),
+    ("unknown-field", setting("metrics", []), "spec.metrics"),
+]
+
+
+async def admit_kind(api, kind: str, path: str, spec) -> tuple[int, dict]:
+    body = {"apiVersion": "graft.dev/v1alpha1", "kind": kind, "metadata": {"generateName": "c-"}, "spec": spec}
+    async with aiohttp.ClientSession(api.url) as http:
+        async with http.post(path + "?fieldValidation=Strict", json=body) as reply:
+            return reply.status, json.loads(await reply.text())
+
+
+def refused_at(answer: dict, field: str) -> bool:
+    fields = [c.get("field", "") for c in (answer.get("details") or {}).get("causes") or []]
+    return any(f.startswith(field) or field.startswith(f) for f in fields if f) or field in answer.get("message", "")
+
+
+def names(paths: list[str], field: str) -> bool:
+    return any(p == field or p.startswith(field + ".") or p.startswith(field + "[") or field.startswith(p)
+               for p in paths)
+
+
+async def test_both_accept_the_fleet(api):
+    status, answer = await admit_kind(api, "PatchFleet", FLEETS, FLEET)
+    assert status == 201, answer.get("message")
+    assert [p.ref for p in parse_fleet_spec(answer["spec"]).patches] == ["kv-align@3.2.1", "sync-free@1.0.0"]
+
+
+@pytest.mark.parametrize("case, change, field", INVALID_FLEETS, ids=[c[0] for c in INVALID_FLEETS])
+async def test_both_refuse_a_fleet_naming_the_field(api, case, change, field):
+    spec = change(copy.deepcopy(FLEET))
+    status, answer = await admit_kind(api, "PatchFleet", FLEETS, spec)
+    assert status in (400, 422) and refused_at(answer, field), (field, answer)
+    with pytest.raises(SpecError) as refused:
+        parse_fleet_spec(spec)
+    assert names(refused.value.paths, field), (field, refused.value.paths)
+
+
+def read_through_a_rollout(kind: str, spec) -> None:
+    """parse_spec for a rollout naming the template, as the operator reads it; SpecError's paths are
+    the template's own (`spec.breakers[0]`)."""
+    cluster = kind.startswith("Cluster")
+    rollout = {**VALID, "analysis": {"templates": [{"name": "t", "clusterScope": cluster}],
+                                     "args": [{"name": "tenant", "value": "acme"}]}}
+    try:
+        parse_spec(rollout, {("t", cluster): spec})
+    except SpecError as e:
+        prefix = f"{kind} t: "
+        raise SpecError([type(x)(x.path.removeprefix(prefix), x.message) for x in e.errors]) from None
+
+
+@pytest.mark.parametrize("kind", list(TEMPLATE_PATHS))
+async def test_both_accept_the_template(api, kind):
+    status, answer = await admit_kind(api, kind, TEMPLATE_PATHS[kind], TEMPLATE)
+    assert status == 201, answer.get("message")
+    read_through_a_rollout(kind, answer["spec"])
+
+
+@pytest.mark.parametrize("kind", list(TEMPLATE_PATHS))
+@pytest.mark.parametrize("case, change, field", INVALID_TEMPLATES, ids=[c[0] for c in INVALID_TEMPLATES])
+async def test_both_refuse_a_template_naming_the_field(api, kind, case, change, field):
+    spec = change(copy.deepcopy(TEMPLATE))
+    status, answer = await admit_kind(api, kind, TEMPLATE_PATHS[kind], spec)
+    assert status in (400, 422) and refused_at(answer, field), (field, answer)
+    with pytest.raises(SpecError) as refused:
+        read_through_a_rollout(kind, spec)
+    assert names(refused.value.paths, field), (field, refused.value.paths)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from types import UnionType
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, StringConstraints, ValidationError,
+                      WithJsonSchema, model_serializer, model_validator)
 from pydantic.fields import FieldInfo
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
@@ -128,10 +130,45 @@ class ApiModel(BaseModel):
 
 
 class StatusModel(BaseModel):
-    """A status object: the operator writes it, so it is read leniently (unknown fields are kept,
-    a field of the wrong type is the operator's older self, not a user's mistake)."""
+    """A status object: the operator writes it and reads it back (graft.rollout.status), so it is read
+    leniently (fields it does not know are ignored, "3" is 3). A `compact` object leaves out its
+    fields without a value, but those in `always` (written as null, which a merge patch clears)."""
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore",
+                              from_attributes=True)
+    compact: ClassVar[bool] = False
+    always: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _compacted(self, handler: Any) -> Any:
+        out = handler(self)
+        if not self.compact or not isinstance(out, dict):
+            return out
+        keep = {self.model_fields[n].alias or n for n in self.always}
+        return {k: v for k, v in out.items() if v is not None or k in keep}
+
+
+def to_time(t: float | None) -> str | None:
+    """Epoch seconds as the status writes them: RFC 3339, UTC, milliseconds."""
+    if t is None:
+        return None
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def from_time(text: str | None) -> float | None:
+    """An RFC 3339 time as epoch seconds (None for none)."""
+    if not text:
+        return None
+    if isinstance(text, (int, float)):
+        return float(text)
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+# a status time: epoch seconds in memory, RFC 3339 in the object
+Time = Annotated[float | None, BeforeValidator(from_time), PlainSerializer(to_time),
+                 WithJsonSchema({"type": "string"})]
+# a field written as null (so a merge patch clears it) when it is empty: "", [], 0 stay out of the object
+OrNone = PlainSerializer(lambda v: v or None)
 
 
 # -- shared value types ----------------------------------------------------------------------------

@@ -248,6 +248,8 @@ ArgList = Annotated[list[Arg], Field(max_length=32, json_schema_extra=LIST_MAP_N
 class Condition(StatusModel):
     """A condition, as the Kubernetes API conventions spell it."""
 
+    compact: ClassVar = True
+
     type: str = described("The condition's name.")
     status: Literal["True", "False", "Unknown"] = described("Whether it holds: True, False or Unknown.")
     reason: str | None = described("Why, in one CamelCase word.", default=None)

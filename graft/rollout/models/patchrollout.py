@@ -2,14 +2,15 @@
 judged by Prometheus. Its spec and status, field by field."""
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, Field, StringConstraints, WithJsonSchema, field_validator
+from pydantic import AfterValidator, Field, PlainSerializer, StringConstraints, WithJsonSchema, field_validator
 
 from graft.api import Phase
 from graft.rollout.models.base import (DURATION_PATTERN, HEADER_NAME_PATTERN, MAX_DURATION, URL_PATTERN, ApiModel, Cel,
-                                       Column, DataKey, Duration, K8sName, Kind, PatchName, PatchVersion, Says, StatusModel, cel, described,
+                                       Column, DataKey, Duration, K8sName, Kind, OrNone, PatchName, PatchVersion, Says, Time, StatusModel, cel, described,
                                        refuse)
 from graft.rollout.models.common import (CONDITIONS_LIST, LIST_MAP_NAME, Arg, ArgList, BreakerList, Condition, GateList,
                                          Builtin, LabelSelector, Patch, PatchSource)
@@ -294,8 +295,20 @@ class PatchRolloutSpec(ApiModel):
 # -- status ----------------------------------------------------------------------------------------
 
 
+def _finite(value: float | None) -> float | None:
+    """A number a status can hold (JSON has no NaN or Inf): non-finite values are written as none."""
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _numbers(values: dict[str, float] | None) -> dict[str, float] | None:
+    kept = {k: float(f"{v:.6g}") for k, v in (values or {}).items() if _finite(v) is not None}
+    return kept or None
+
+
 class PodStatus(StatusModel):
     """One engine pod as the rollout last saw it."""
+
+    compact: ClassVar = True
 
     name: str = described("The pod's name.")
     uid: str | None = described("The pod's UID (a pod of the same name recreated is another pod).", default=None)
@@ -305,43 +318,50 @@ class PodStatus(StatusModel):
     track: str | None = described("canary or stable.", default=None)
     revision: str | None = described("The engine's revision when last confirmed (name@version, ... or base).",
                                      default=None)
-    patched_at: str | None = described("When the canary patch was confirmed applied.", default=None)
+    patched_at: Time = described("When the canary patch was confirmed applied.", default=None)
 
 
 class CheckRecord(StatusModel):
     """One check of a past analysis run: its numbers and verdict, without the sentence."""
 
+    compact: ClassVar = True
+
     name: str = described("The check's name.")
     role: str | None = described("breaker or gate.", default=None)
-    value: float | None = described("The measured value (none when there was no data).", default=None,
-                                    json_schema_extra={"nullable": True})
+    value: Annotated[float | None, PlainSerializer(_finite)] = described(
+        "The measured value (none when there was no data).", default=None, json_schema_extra={"nullable": True})
     threshold: str | None = described("The limit, in words (<= 0.005, <= 1.3 x stable).", default=None)
     window: str | None = described("The window the run looked at.", default=None)
     verdict: str | None = described("Successful, Failed, Inconclusive, Error or Skipped.", default=None)
     breaches: int | None = described("Breaches in a row (breakers).", default=None)
-    dry_run: bool | None = described("Judged and reported but never decides.", default=None)
-    conclusive: bool | None = described("A gate's failure strong enough to roll back.", default=None)
-    numbers: dict[str, float] | None = described(
+    dry_run: Annotated[bool | None, OrNone] = described("Judged and reported but never decides.", default=None)
+    conclusive: Annotated[bool | None, OrNone] = described("A gate's failure strong enough to roll back.",
+                                                           default=None)
+    numbers: Annotated[dict[str, float] | None, PlainSerializer(_numbers)] = described(
         "The counts and bounds the verdict rests on (requests, errors, lower and upper bounds, ...).", default=None)
 
 
 class CheckStatus(CheckRecord):
     """One check of the latest analysis run, with the numbers it was judged on."""
 
-    short: bool | None = described("Inconclusive for lack of traffic (not for lack of data).", default=None)
+    short: Annotated[bool | None, OrNone] = described(
+        "Inconclusive for lack of traffic (not for lack of data).", default=None)
     message: str | None = described("The verdict in words.", default=None)
 
 
 class AnalysisStatus(StatusModel):
     """The latest analysis run and the counts that pause a rollout."""
 
-    last_run: str | None = described("When the latest run was made.", default=None)
+    compact: ClassVar = True
+    always: ClassVar = ("outage_since",)      # null clears it in the merge patch
+
+    last_run: Time = described("When the latest run was made.", default=None)
     verdict: str | None = described("Its verdict: Successful, Failed, Inconclusive or Error.", default=None)
     inconclusive_runs: int | None = described("Holding runs in a row since the step's pause ended.", default=None)
     error_runs: int | None = described("Runs in a row whose queries failed, outages aside.", default=None)
-    outage_since: str | None = described("Since when Prometheus cannot be reached (the step holds).", default=None,
-                                         json_schema_extra={"nullable": True})
-    outage_seconds: float | None = described(
+    outage_since: Time = described("Since when Prometheus cannot be reached (the step holds).", default=None,
+                                   json_schema_extra={"nullable": True})
+    outage_seconds: Annotated[float | None, PlainSerializer(lambda v: None if v is None else round(v, 3))] = described(
         "Time this step held for Prometheus; its progress deadline waited as long.", default=None)
     results: list[CheckStatus] | None = described("Each check of the latest run.", default=None)
 
@@ -349,7 +369,7 @@ class AnalysisStatus(StatusModel):
 class AnalysisRunStatus(StatusModel):
     """One past analysis run."""
 
-    time: str | None = described("When it ran.", default=None)
+    time: Time = described("When it ran.", default=None)
     step: int | None = described("The step the run judged, counted from 1.", default=None)
     verdict: str | None = described("Its verdict.", default=None)
     results: list[CheckRecord] | None = described("Each check's numbers and verdict.", default=None)
@@ -358,23 +378,27 @@ class AnalysisRunStatus(StatusModel):
 class PauseCondition(StatusModel):
     """A pause the controller decided because the analysis could not decide."""
 
+    compact: ClassVar = True
+
     reason: str = described("InconclusiveLimit, AnalysisErrorLimit or AnalysisOutageLimit.")
     message: str | None = described("Why, in words.", default=None)
     start_time: str = described("When the pause began.")
 
 
 class PatchRolloutStatus(StatusModel):
-    """Where the rollout stands, kept in the object so a restarted operator resumes the same step."""
+    """Where the rollout stands, kept in the object so a restarted operator resumes the same step. Every
+    field is written on every change; one without a value as null, which the merge patch clears."""
 
-    phase: Literal[tuple(p.value for p in Phase)] | None = described(  # type: ignore[valid-type]
+    phase: str | None = described(
         "Pending, Progressing, Paused, Promoted, RollingBack, RolledBack or Failed.", default=None,
-        json_schema_extra={"type": "string"})
+        json_schema_extra={"enum": [p.value for p in Phase]})
     reason: str | None = described("Why it is where it is, in one CamelCase word (as its latest Event).",
                                    default=None)
     message: str | None = described("Why, in words.", default=None)
     observed_generation: int | None = described("The spec's generation the status was written from.", default=None)
     patch: str | None = described("The patch this rollout applies, name@version.", default=None)
-    stable_patch: str | None = described("An upgrade: the version of the patch the stable side runs.", default=None)
+    stable_patch: Annotated[str | None, OrNone] = described(
+        "An upgrade: the version of the patch the stable side runs.", default=None)
     step_index: int | None = described("The current step, counted from 0.", default=None)
     step: int | None = described("The current step, counted from 1 (as in Events and the CLI).", default=None)
     weight: int | None = described("The traffic weight in effect, percent.", default=None)
@@ -384,26 +408,29 @@ class PatchRolloutStatus(StatusModel):
         "route's weight with Gateway API.", default=None)
     stable_revision: str | None = described("What the stable pods run (name@version, ... or base).", default=None)
     canary_revision: str | None = described("What the canary pods run.", default=None)
-    started_at: str | None = described("When the rollout started.", default=None)
-    step_started_at: str | None = described("When the current step started.", default=None)
-    step_ready_at: str | None = described("When the step's pods and route were in place.", default=None)
-    awaiting_approval_since: str | None = described(
+    started_at: Time = described("When the rollout started.", default=None)
+    step_started_at: Time = described("When the current step started.", default=None)
+    step_ready_at: Time = described("When the step's pods and route were in place.", default=None)
+    awaiting_approval_since: Time = described(
         "Since when the step (an untilApproved one) has waited for a person's approval (graft rollout promote).",
         default=None)
-    end_phase: str | None = described("Where RollingBack settles: RolledBack or Failed.", default=None)
-    cause: str | None = described("Why it is rolling back.", default=None)
+    end_phase: Annotated[str | None, OrNone] = described("Where RollingBack settles: RolledBack or Failed.",
+                                                         default=None)
+    cause: Annotated[str | None, OrNone] = described("Why it is rolling back.", default=None)
     full_promotion: bool | None = described("Promoted at once (graft rollout promote --full).", default=None)
-    fleet: str | None = described("The PatchFleet this rollout acts on (its durable patch state).", default=None)
+    fleet: Annotated[str | None, OrNone] = described(
+        "The PatchFleet this rollout acts on (its durable patch state).", default=None)
     pods: list[PodStatus] | None = described("The engine pods the rollout acts on.", default=None)
     analysis: AnalysisStatus | None = described(AnalysisStatus.__doc__, default=None)
-    analysis_history: Annotated[list[AnalysisRunStatus], Field(max_length=MAX_MEASUREMENT_RETENTION)] | None = described(
+    analysis_history: Annotated[list[AnalysisRunStatus] | None, Field(max_length=MAX_MEASUREMENT_RETENTION),
+                                OrNone] = described(
         "The latest analysis runs, oldest first, at most spec.analysis.measurementRetention of them: per run its "
         "time, step and verdict, and per check its value, threshold, counts and bounds (numbers) and verdict.",
         default=None)
-    pause_conditions: Annotated[list[PauseCondition], Field(max_length=8)] | None = described(
+    pause_conditions: Annotated[list[PauseCondition] | None, Field(max_length=8), OrNone] = described(
         "Pauses the controller decided because the analysis could not (InconclusiveLimit, AnalysisErrorLimit, "
         "AnalysisOutageLimit); the annotation graft.dev/resume: \"true\" ends them.", default=None)
-    conditions: Annotated[list[Condition], Field(json_schema_extra=CONDITIONS_LIST)] | None = described(
+    conditions: Annotated[list[Condition] | None, Field(json_schema_extra=CONDITIONS_LIST), OrNone] = described(
         "Progressing, Promoted, Healthy and Completed, as the Kubernetes API conventions spell conditions (kubectl "
         "wait --for=condition=Promoted).", default=None)
 
