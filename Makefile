@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup prometheus chromium test test-fast demo bench llama-server images clean
+.PHONY: setup prometheus chromium test test-fast demo bench llama-server images clean crds
 
 setup: $(STAMP)
 
@@ -49,6 +49,11 @@ test: setup prometheus chromium
 
 test-fast: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -m "not slow and not e2e"
+
+# Graft's CRDs (crds/*.yaml, but kopf's peering CRDs) from the API models in graft/rollout/models;
+# tests/rollout/test_crdgen.py fails when the checked-in files differ from what this writes.
+crds: setup
+	$(PY) -m graft.rollout.crdgen
 
 demo: setup prometheus
 	$(VENV)/bin/graft demo
