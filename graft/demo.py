@@ -256,6 +256,45 @@ async def running_cluster(opts: ClusterOptions, console: Console, shutdown: Shut
         await to_the_end(asyncio.to_thread(end_groups, groups | shutdown.groups))
 
 
+@contextlib.asynccontextmanager
+async def dashboard(cluster: DevCluster, workdir: Path) -> AsyncIterator[str | None]:
+    """`graft dashboard` on the dev cluster's namespace for as long as the demo runs (a free port,
+    its log in WORKDIR/dashboard.log): its address, or None when it did not start (the demo goes on)."""
+    import sys
+
+    with open(workdir / "dashboard.log", "wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "graft.cli", "dashboard", "--kubeconfig", str(cluster.kubeconfig.resolve()),
+            "-n", cluster.namespace, "--port", "0", stdout=asyncio.subprocess.PIPE, stderr=log)
+        try:
+            try:
+                line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+            except TimeoutError:
+                line = ""
+            yield line.rsplit(" ", 1)[-1].strip() if line.startswith("Graft dashboard") else None
+        finally:
+            if proc.returncode is None:
+                proc.terminate()
+                try:
+                    await asyncio.wait_for(proc.wait(), 5)
+                except TimeoutError:
+                    proc.kill()
+
+
+async def dashboard_section(cluster: DevCluster, url: str | None) -> list[str]:
+    """The report's links to each rollout's view in the dashboard (live while the demo ran)."""
+    from graft.operator.kube import rollouts_path
+
+    if not url:
+        return []
+    async with kube_of(cluster) as kube:
+        rollouts = await kube.list(rollouts_path(cluster.namespace))
+    return ["## Dashboard", "", f"While the demo ran, `graft dashboard` served the rollouts live at {url}; "
+            "each rollout's view (its steps, every check against its bounds, the Events, the history):", "",
+            *[f"- [{o['metadata']['name']}]({url}#rollout/{o['metadata']['name']}): "
+              f"{(o.get('status') or {}).get('phase', 'Pending')}" for o in rollouts], ""]
+
+
 @dataclass(frozen=True, slots=True)
 class DemoPaths:
     """Where a run writes: the report beside the dev cluster's folder of logs."""
@@ -1065,7 +1104,10 @@ async def _story(args: argparse.Namespace, paths: DemoPaths, console: Console, p
                  shutdown: Shutdown) -> int:
     started = time.time()
     opts = ClusterOptions(workdir=paths.workdir, pods=args.pods, readiness_gates=(PATCHED_CONDITION,))
-    async with running_cluster(opts, console, shutdown) as cluster:
+    async with running_cluster(opts, console, shutdown) as cluster, dashboard(cluster, paths.workdir) as board:
+        if board:
+            console.print(f"[green]dashboard[/]: {board}  (graft dashboard --kubeconfig {cluster.kubeconfig.resolve()} "
+                          f"-n {cluster.namespace})")
         with console.status("waiting for the engine pods to load the model ..."):
             await cluster.wait_ready(timeout=300)
         with console.status(f"the fleet at base: PatchFleet {FLEET} opens the pods' readiness gates ..."):
@@ -1101,6 +1143,7 @@ async def _story(args: argparse.Namespace, paths: DemoPaths, console: Console, p
                     break
                 console.print(f"[bold]{join.pod}[/]: Ready {join.after('ready')} after the scale-up, running "
                               f"{join.revision_at_ready}; first request answered {join.after('served')}")
+        sections.insert(0, await dashboard_section(cluster, board))
         path = report(paths.out, sections, traffic.stats, started, args.pods)
         console.print(f"report: {path}  ({time.time() - started:.0f} s in all)\nlogs: {paths.logs_hint}")
         if join is not None and not join.done:

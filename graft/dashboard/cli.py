@@ -48,6 +48,7 @@ def main(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"error: cannot listen on {args.address}:{args.port}: {e.strerror}", file=sys.stderr)
         return 1
+    sock.listen(128)            # before the address is printed: a client that reads it may connect at once
     port = sock.getsockname()[1]
     host = f"[{args.address}]" if family == socket.AF_INET6 else args.address
     hosts = {"127.0.0.1", "localhost", "::1", "[::1]", args.address, host}
