@@ -144,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def kubectl_plugin() -> int:
-    """`kubectl graft ...` is `graft rollout ...`."""
+    """`kubectl graft ...` is `graft rollout ...`; `kubectl graft dashboard` is `graft dashboard`."""
+    if sys.argv[1:2] == ["dashboard"]:
+        return main(sys.argv[1:])
     from graft.operator.cli import main_rollout
     return int(main_rollout(sys.argv[1:], admission=crd_admission) or 0)
 
