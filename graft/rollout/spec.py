@@ -42,7 +42,7 @@ from graft.rollout.models.patchrollout import (DEFAULT_CONFIDENCE, DEFAULT_ERROR
                                                DEFAULT_ROLLBACK_CONFIDENCE, DEFAULT_STEPS, MAX_MEASUREMENT_RETENTION,
                                                MAX_STEPS)
 
-__all__ = ["DIGEST_PATTERN", "DURATION_PATTERN", "K8S_NAME_PATTERN", "METRIC_NAME_PATTERN", "PATCH_NAME_PATTERN",
+__all__ = ["DEFAULT_STEPS", "DIGEST_PATTERN", "DURATION_PATTERN", "K8S_NAME_PATTERN", "METRIC_NAME_PATTERN", "PATCH_NAME_PATTERN",
            "PATCH_VERSION_PATTERN", "MAX_CHECKS", "MAX_QUERY", "MAX_SELECTOR_TERMS", "MAX_STEPS",
            "SELECTOR_MUST_NAME", "SELECTOR_OPERATORS", "DEFAULT_REVISION_HISTORY_LIMIT", "MAX_MEASUREMENT_RETENTION",
            "FieldError", "SpecError", "parse_spec", "parse_fleet_spec", "parse_selector", "parse_ttl"]

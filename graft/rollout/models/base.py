@@ -48,8 +48,8 @@ MAX_LABEL_KEY = 317        # a 253-character prefix, '/', a 63-character name
 
 @dataclass(frozen=True, slots=True)
 class Cel:
-    """One `x-kubernetes-validations` rule. `field` names the property the Python check reports
-    (the API server reports the object the rule sits on)."""
+    """One `x-kubernetes-validations` rule: CEL for the API server, with `message` its refusal. The
+    model that carries it checks the same in Python (`rules`, `presence` or a field validator)."""
 
     rule: str
     message: str
@@ -124,10 +124,6 @@ class ApiModel(BaseModel):
             target["x-kubernetes-validations"] = [{"rule": r.rule, "message": r.message} for r in cls.cel_rules]
         return schema
 
-    def present(self, name: str) -> bool:
-        """Whether the manifest gave field `name` (Python name), as CEL's has() asks."""
-        return name in self.model_fields_set
-
 
 class StatusModel(BaseModel):
     """A status object: the operator writes it and reads it back (graft.rollout.status), so it is read
@@ -195,7 +191,6 @@ def described(description: str, **kwargs: Any) -> Any:
     return Field(description=description, **kwargs)
 
 
-Empty = Annotated[dict[str, Any], Field(max_length=0)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,10 +10,10 @@ from pydantic import AfterValidator, Field, PlainSerializer, StringConstraints, 
 
 from graft.api import Phase
 from graft.rollout.models.base import (DURATION_PATTERN, HEADER_NAME_PATTERN, MAX_DURATION, URL_PATTERN, ApiModel, Cel,
-                                       Column, DataKey, Duration, K8sName, Kind, OrNone, PatchName, PatchVersion, Says, Time, StatusModel, cel, described,
-                                       refuse)
-from graft.rollout.models.common import (CONDITIONS_LIST, LIST_MAP_NAME, Arg, ArgList, BreakerList, Condition, GateList,
-                                         Builtin, LabelSelector, Patch, PatchSource)
+                                       Column, DataKey, Duration, K8sName, Kind, OrNone, PatchName, PatchVersion, Says,
+                                       StatusModel, Time, cel, described, refuse)
+from graft.rollout.models.common import (CONDITIONS_LIST, LIST_MAP_NAME, ArgList, BreakerList, Builtin, Condition,
+                                         GateList, LabelSelector, Patch, PatchSource)
 
 IMMUTABLE = "self == oldSelf"
 
