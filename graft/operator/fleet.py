@@ -61,14 +61,16 @@ class _Fleet:
         return (self.created, self.name)      # older first; the name breaks a tie
 
 
-async def _fleets(kube: Kube, namespace: str) -> tuple[list[_Fleet], list[dict[str, Any]]]:
-    """Every valid fleet of the namespace with the engines it selects now, and those engines.
+async def _fleets(kube: Kube, namespace: str,
+                  bodies: list[dict[str, Any]] | None = None) -> tuple[list[_Fleet], list[dict[str, Any]]]:
+    """Every valid fleet of the namespace (`bodies`, when already read) with the engines it selects
+    now, and those engines.
 
     Membership is judged as everywhere else (`Workloads.vet`): a pod that is no engine of a workload
     belongs to no fleet, so a pod labelled into two fleets' selectors cannot make one stand down."""
     pods = await podsmod.Workloads(kube, namespace, 0).engines(await podsmod.list_pods(kube, namespace, ""))
     out = []
-    for fleet in await kube.list(fleet_path(namespace)):
+    for fleet in bodies if bodies is not None else await kube.list(fleet_path(namespace)):
         try:
             selector = parse_fleet_spec(fleet.get("spec") or {}).selector
         except SpecError:
@@ -238,8 +240,14 @@ async def _overlapped(kube: Kube, namespace: str, body: dict[str, Any], raw: lis
     """Why this fleet must act on no pod (an older fleet selects some of its pods), or None."""
     meta = body["metadata"]
     me = (meta.get("creationTimestamp") or "", meta["name"])
+    # only an older fleet makes this one stand down: with none, every pod of the namespace need not
+    # be listed and vetted on every tick (the oldest fleet, and a namespace's only one, never is)
+    bodies = await kube.list(fleet_path(namespace))
+    if not any(((f["metadata"].get("creationTimestamp") or ""), f["metadata"]["name"]) < me
+               for f in bodies if f["metadata"]["name"] != meta["name"]):
+        return None
     mine = frozenset(p["metadata"]["name"] for p in raw)
-    fleets, _ = await _fleets(kube, namespace)
+    fleets, _ = await _fleets(kube, namespace, bodies)
     older = sorted((f for f in fleets if f.name != meta["name"] and f.pods & mine and f.age < me), key=lambda f: f.age)
     if not older:
         return None
