@@ -108,6 +108,9 @@ class ApiModel(BaseModel):
     @classmethod
     def _check_presence(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            # as the API server prunes them: a null field is no field (its default applies)
+            names = {f.alias or n for n, f in cls.model_fields.items()} | set(cls.model_fields)
+            data = {k: v for k, v in data.items() if v is not None or k not in names}
             cls.presence(data)
         return data
 
