@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,17 @@ class Browser:
             self.screenshot(f"timeout-{what.replace(' ', '-')[:40]}")
             raise AssertionError(f"timed out after {timeout}s waiting for {what}; the page shows:\n{detail}") from None
 
-    def click(self, css: str) -> None:
+    def click(self, css: str, tries: int = 50) -> None:
+        """A real click on `css`; found again when the page redrew it between finding and clicking
+        (every change the stream brings redraws the list and the rollout's view)."""
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        for _ in range(tries - 1):
+            try:
+                self.driver.find_element("css selector", css).click()
+                return
+            except StaleElementReferenceException:
+                time.sleep(0.05)
         self.driver.find_element("css selector", css).click()
 
     def screenshot(self, name: str) -> Path:
