@@ -11,13 +11,16 @@ from graft.devcluster.kubeconfig import write_kubeconfig
 from graft.operator.kube import rollout_path
 
 from browser import Browser, need_chromium, start_dashboard
-from operator_cluster import create, events_of, get_rollout, manifest, until
+from operator_cluster import CHECKS, create, events_of, get_rollout, manifest, until
 
 pytestmark = pytest.mark.timeout(240)
 
 # approval at 50% and again at 67%: one click promotes the first, one aborts at the second
 STEPS = [{"weight": 1, "pause": "1s"}, {"weight": 50, "untilApproved": True}, {"weight": 67, "pause": {}},
          {"weight": 100}]
+# the usual checks, and a dry-run TTFT ratio: canary against stable latency, which the page charts apart
+ANALYSIS = {**CHECKS, "breakers": CHECKS["breakers"] + [{"name": "ttft-p99", "maxRatio": 1.5, "window": "4s",
+                                                          "dryRun": True}]}
 ROW = "document.getElementById('row-PatchRollout-kv-align')"
 DETAIL = "document.getElementById('detail')"
 
@@ -52,7 +55,7 @@ async def test_the_dashboard_follows_a_rollout_live_and_promotes_and_aborts_it(c
             new MutationObserver(note).observe(document.body, {subtree: true, childList: true, attributes: true});""")
 
         # created after the page loaded: it appears, and moves, without a reload
-        await create(cluster, namespace, manifest(prometheus, steps=STEPS))
+        await create(cluster, namespace, manifest(prometheus, steps=STEPS, analysis=ANALYSIS))
         await page(browser.wait_js, f"return !!{ROW}", 20, "the rollout's row")
         await page(browser.click, "#row-PatchRollout-kv-align")
         await page(browser.wait_js, awaiting_at(2), 90, "step 2 waiting for approval")
@@ -64,7 +67,10 @@ async def test_the_dashboard_follows_a_rollout_live_and_promotes_and_aborts_it(c
         assert [s for s, _ in ladder] == ["done", "current", "next", "next"], (ladder, shot)
         assert ladder[0][1].endswith("s") and ladder[0][1] != "-", ladder    # the time spent on step 1
         checks = await page(browser.js, "return [...document.querySelectorAll('.chart')].map(c => c.dataset.check)")
-        assert {"breaker/error-rate", "breaker/latency-p99", "gate/error-rate-delta"} <= set(checks), checks
+        assert {"breaker/error-rate", "breaker/latency-p99", "gate/error-rate-delta", "breaker/ttft-p99"} \
+            <= set(checks), checks
+        await page(browser.wait_js, "return !!document.querySelector('#latency .chart[data-check=\"breaker/ttft-p99\"]"
+                                    " canvas')", 20, "the canary vs stable latency chart")
         canaries = sum(e.revision != "base" for e in engines)
 
         # promote: a dialog first; Cancel changes nothing

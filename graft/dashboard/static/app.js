@@ -179,7 +179,7 @@ function chart(parent, series, opts) {
   const last = series.points[series.points.length - 1];
   const width = Math.max(300, (parent.clientWidth || 720) / Math.max(1, Math.floor((parent.clientWidth || 720) / 380)) - 24);
   charts.push(new uPlot({ width, height: 170, legend: { live: false }, ...opts.options }, opts.data, box));
-  box.append(el("div", { class: "last" }, `last: ${last.text}`, last.bounds ? ` bounds ${last.bounds}` : "",
+  box.append(el("div", { class: "last" }, opts.last || `last: ${last.text}`, last.bounds ? ` bounds ${last.bounds}` : "",
     last.counts ? ` · ${last.counts}` : "", " · ", el("span", { class: `verdict-${last.verdict}` }, last.verdict)));
 }
 
@@ -199,7 +199,10 @@ function checkChart(s) {
 
 function latencyChart(s) {
   const ms = (v) => (v === null || v === undefined ? null : v * 1000);
+  const last = s.points[s.points.length - 1];
+  const shown = (v) => (v === null || v === undefined ? "-" : `${ms(v).toPrecision(4)} ms`);
   return {
+    last: `last: canary ${shown(last.canary)} vs stable ${shown(last.stable)}`,
     data: [s.points.map((p) => p.time), s.points.map((p) => ms(p.canary)), s.points.map((p) => ms(p.stable))],
     options: {
       series: [{}, { label: "canary ms", stroke: "#e65100", width: 2, points: { show: true } },
