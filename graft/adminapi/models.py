@@ -84,7 +84,7 @@ class AppliedPatch(Answer):
     version: str
     digest: str | None = None                               # "builtin", or the bundle's sha256
     config_digest: str | None = Field(default=None, alias="configDigest")
-    applied_at: float | None = Field(default=None, alias="appliedAt")
+    applied_at: str | None = Field(default=None, alias="appliedAt")      # ISO 8601, UTC
     apply_ms: float | None = Field(default=None, alias="applyMs")
     verify_ms: float | None = Field(default=None, alias="verifyMs")
     self_check: dict[str, Any] = Field(default_factory=dict, alias="selfCheck")

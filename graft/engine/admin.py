@@ -36,9 +36,10 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from graft.adminapi.models import ApplyRequest, error_body, request_error
+from graft.adminapi.models import (ApplyAnswer, ApplyRequest, PatchesAnswer, RevertAnswer, error_body,
+                                   request_error)
 from graft.api import NAME_RE
 from graft.engine.patches.base import PatchError
 from graft.engine.patches.manager import PatchManager
@@ -182,6 +183,12 @@ def _error(status: int, message: str, headers: dict | None = None) -> JSONRespon
     return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
+def _answer(model: type[BaseModel], answer: dict) -> dict:
+    """An answer as the shared model declares it (what clients parse), its fields as the manager
+    set them: a manager answer that breaks the model is a 500 here, not a puzzle in a client."""
+    return model.model_validate(answer).model_dump(by_alias=True, exclude_unset=True)
+
+
 def _check_name(name: object, field: str = "name") -> str:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise PatchError(400, f"{field}: required, a DNS label (a-z, 0-9, '-')")
@@ -213,7 +220,7 @@ def build_admin_app(manager: PatchManager, token: AdminToken | None) -> FastAPI:
 
     @app.get("/admin/patches")
     async def list_patches() -> dict:
-        return manager.describe()
+        return _answer(PatchesAnswer, manager.describe())
 
     @app.post("/admin/patches")
     async def apply(request: Request) -> JSONResponse:
@@ -225,11 +232,11 @@ def build_admin_app(manager: PatchManager, token: AdminToken | None) -> FastAPI:
         except ValidationError as exc:
             raise PatchError(400, request_error(exc)) from None
         result = await manager.apply(req.name, req.version, req.source, req.settings, replace=req.replace)
-        return JSONResponse(result)
+        return JSONResponse(_answer(ApplyAnswer, result))
 
     @app.delete("/admin/patches/{name}")
     async def revert(name: str) -> JSONResponse:
-        return JSONResponse(await manager.revert(_check_name(name)))
+        return JSONResponse(_answer(RevertAnswer, await manager.revert(_check_name(name))))
 
     @app.get("/admin/health")
     async def admin_health() -> dict:
