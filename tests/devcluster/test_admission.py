@@ -149,6 +149,9 @@ RULE_CASES = [
     ("a check needs a threshold: max, min or maxRatio", "spec.analysis.gates[0]",
      {"analysis": {"gates": [{"name": "latency-p99", "maxRatio": 1.2}]}},
      {"analysis": {"gates": [{"name": "latency-p99"}]}}),
+    ("gates take no consecutive: a failing gate holds the step until it passes", "spec.analysis.gates",
+     {"analysis": {"breakers": [{"name": "cpu", "max": 1, "consecutive": 2}], "gates": [{"name": "cpu", "max": 1}]}},
+     {"analysis": {"gates": [{"name": "cpu", "max": 1, "consecutive": 2}]}}),
     ("min must not exceed max", "spec.analysis.breakers[1]",
      {"analysis": {"breakers": [{"name": "cpu", "max": 1}, {"name": "ratio", "query": "up", "min": 0.5, "max": 1}]}},
      {"analysis": {"breakers": [{"name": "cpu", "max": 1}, {"name": "ratio", "query": "up", "min": 2, "max": 1}]}}),
@@ -190,7 +193,7 @@ async def test_a_patchrollout_cel_rule_accepts_what_obeys_it_and_refuses_what_br
     assert status == 201, created["message"]
     status, refused = await call(http, "POST", ROLLOUTS, rollout("bad", **bad))
     assert status == 422 and refused["reason"] == "Invalid" and refused["status"] == "Failure"
-    kind = "array" if field == "spec.steps" else "object"
+    kind = "array" if field in ("spec.steps", "spec.analysis.gates") else "object"
     assert (field, f'Invalid value: "{kind}": {message}') in causes(refused), refused["details"]["causes"]
     assert f'PatchRollout.graft.dev "bad" is invalid: ' in refused["message"] and message in refused["message"]
     assert (await call(http, "GET", f"{ROLLOUTS}/bad"))[0] == 404
