@@ -128,3 +128,27 @@ def test_a_status_reads_back_as_it_was_written():
     back.analysis_history = s.analysis_history
     assert back == s
     assert RolloutStatus.from_dict(None) == RolloutStatus()
+
+
+def test_a_new_field_is_one_declaration():
+    """What later fields (webhooks, notifications, metric providers) take: declared once on a model,
+    the field is in the generated schema with its description and bounds, defaulted and refused by
+    the reader at the API server's path."""
+    from typing import Annotated
+
+    from pydantic import Field
+
+    from graft.rollout.models.base import validate
+    from graft.rollout.models.patchrollout import PatchRolloutSpec
+
+    class WithWebhook(PatchRolloutSpec):
+        webhook_timeout: Annotated[int, Field(ge=1, le=60)] = Field(
+            default=10, description="Seconds a webhook may take before its answer counts as a failure.")
+
+    schema = crdgen.model_schema(WithWebhook)["properties"]["webhookTimeout"]
+    assert schema == {"description": "Seconds a webhook may take before its answer counts as a failure.",
+                      "type": "integer", "default": 10, "maximum": 60, "minimum": 1}
+    base = {"selector": {"matchLabels": {"app": "llm"}}, "patch": {"name": "kv-align", "version": "1"}}
+    assert validate(WithWebhook, base, "spec")[0].webhook_timeout == 10
+    _, errors = validate(WithWebhook, {**base, "webhookTimeout": 90}, "spec")
+    assert [str(e) for e in errors] == ["spec.webhookTimeout: must be between 1 and 60"]
