@@ -253,11 +253,13 @@ def validate(model: type[BaseModel], data: Any, root: str) -> tuple[BaseModel | 
 def _field_error(model: type[BaseModel], err: Any, root: str) -> FieldError:
     path, node, info, parent = root, model, None, None
     key_error = value_of_dict = False
+    owner = root                           # the path of the object the last part is a key of
     for part in err["loc"]:
-        if part == "[key]":
+        if part == "[key]":                # a map's key is bad: the API server names the map
             key_error = True
             continue
-        kind, args, extra = _unwrap(node)
+        kind, args = _unwrap(node)
+        owner = path
         if isinstance(part, int):
             path += f"[{part}]"
             node = args[0] if args else Any
@@ -270,7 +272,8 @@ def _field_error(model: type[BaseModel], err: Any, root: str) -> FieldError:
                 node = Any
                 continue
             node, info, value_of_dict = field.annotation, field, False
-            node = Annotated[(node, *field.metadata)] if field.metadata else node  # noqa: the Says it carries
+            # the field's metadata (its bounds, its Says) rides along for the error's wording
+            node = Annotated[(node, *field.metadata)] if field.metadata else node
         elif kind is dict:
             node, value_of_dict = (args[1] if len(args) == 2 else Any), True
     says = _says(info)
@@ -280,7 +283,7 @@ def _field_error(model: type[BaseModel], err: Any, root: str) -> FieldError:
         return FieldError(path + ("" if not at else at if at.startswith("[") else f".{at}"), ctx["message"])
     if key_error:
         text = says.get("key") if says else None
-        return FieldError(path.rsplit(".", 1)[0], f"{given!r} {text}" if text else _generic(err, info, parent))
+        return FieldError(owner, f"{given!r} {text}" if text else _generic(err, info, parent))
     if value_of_dict and says and says.get("value"):
         return FieldError(path, f"{given!r} {says.get('value')}")
     if says and says.get(kind_name):
@@ -367,23 +370,21 @@ def _says(info: Any) -> Says | None:
     return next((m for m in _metadata(info) if isinstance(m, Says)), None)
 
 
-def _unwrap(node: Any) -> tuple[Any, tuple[Any, ...], list[Any]]:
-    """A type without Annotated and Optional: (origin or class, its arguments, the metadata seen)."""
-    extra: list[Any] = []
+def _unwrap(node: Any) -> tuple[Any, tuple[Any, ...]]:
+    """A type without Annotated and Optional: (its origin or class, its arguments)."""
     while True:
         origin = get_origin(node)
         if origin is Annotated:
-            extra += list(node.__metadata__)
             node = get_args(node)[0]
         elif origin in (Union, UnionType):
             args = [a for a in get_args(node) if a is not type(None)]
             if len(args) != 1:
-                return Any, (), extra
+                return Any, ()
             node = args[0]
         elif origin is not None:
-            return origin, get_args(node), extra
+            return origin, get_args(node)
         else:
-            return node, (), extra
+            return node, ()
 
 
 def _is_model(kind: Any) -> bool:
