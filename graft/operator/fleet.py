@@ -335,7 +335,9 @@ def _conditions(old: dict[str, Any], ok: bool, reason: str, message: str, meta: 
 
 async def _write(runtime: Runtime, body: dict[str, Any], status: dict[str, Any], events) -> FleetResult:
     meta = body["metadata"]
-    if status != (body.get("status") or {}):
+    # a merge patch removes the keys it sets to null: compare with what is stored, or every tick
+    # would write a status that only looks changed (activeRollout: null with no rollout)
+    if {k: v for k, v in status.items() if v is not None} != (body.get("status") or {}):
         await runtime.kube.merge_patch(fleet_path(meta["namespace"], meta["name"]) + "/status", {"status": status})
     return FleetResult(status, events)
 
