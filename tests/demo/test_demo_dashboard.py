@@ -1,5 +1,6 @@
 """`graft demo` starts `graft dashboard` on its dev cluster for as long as it runs, prints its
 address, and its report links each rollout's view there."""
+import asyncio
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,7 +29,11 @@ async def test_the_demo_serves_the_dashboard_while_it_runs_and_links_each_rollou
             assert url and url.startswith("http://127.0.0.1:"), url
             async with httpx.AsyncClient(timeout=10) as browser:
                 page = await browser.get(url)
-                state = (await browser.get(url + "api/state")).json()
+                for _ in range(100):          # until its first list of every collection is in
+                    state = (await browser.get(url + "api/state")).json()
+                    if state["synced"]:
+                        break
+                    await asyncio.sleep(0.1)
             assert page.status_code == 200 and "Graft dashboard: llm" in page.text
             assert state["namespace"] == "llm" and [r["name"] for r in state["rollouts"]] == ["kv-align"]
             section = await dashboard_section(cluster, url)
