@@ -41,8 +41,15 @@ class Phase(StrEnum):
         """A final phase never changes again (short of `graft rollout retry`)."""
         return self in (Phase.PROMOTED, Phase.ROLLED_BACK, Phase.FAILED)
 
+    @property
+    def active(self) -> bool:
+        """An active rollout holds its fleet: it acts on its pods (no other rollout of the fleet may
+        start, and the fleet controller leaves it its patch and its pods' labels)."""
+        return self in (Phase.PROGRESSING, Phase.PAUSED, Phase.ROLLING_BACK)
+
 
 FINAL_PHASES = frozenset(p.value for p in Phase if p.final)
+ACTIVE_PHASES = frozenset(p.value for p in Phase if p.active)
 
 
 class Verdict(StrEnum):
@@ -122,6 +129,8 @@ class Reason(StrEnum):
     QUEUED = "Queued", "another rollout is active on the same fleet", WARNING
     FLEET_OVERLAP = "FleetOverlap", "the selector shares pods with another PatchFleet", WARNING
     NOT_AN_ENGINE = "NotAnEngine", "a pod the selector picks is no engine of its workload: left alone", WARNING
+    ACTION_FAILED = ("ActionFailed", "an action on a pod failed unexpectedly (Kubernetes refused a write, an operator "
+                     "error): tried again next tick", WARNING)
     # refusals: the rollout cannot go on
     INVALID_SPEC = "InvalidSpec", "the spec does not parse: the rollout fails, a fixed spec retries it", WARNING
     UNKNOWN_PATCH = "UnknownPatch", "the engine does not know the patch (404)", WARNING

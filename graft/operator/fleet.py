@@ -5,9 +5,13 @@ engines of a workload among them (`graft.operator.pods.Workloads`: any other pod
 reported once, in a Warning Event NotAnEngine), learns what each running engine runs (from what the
 operator did and the container's identity, asking the engine only when that is missing or stale:
 graft.operator.revisions), calls the
-pure `graft.rollout.fleet.converge`, and carries out what it returns: pod labels and annotations
-first, then one admin call per pod, then the pod's readiness-gate condition `graft.dev/patched`. While a rollout is active on the fleet (its `status.fleet` names it),
-the pods the rollout acts on (Ready ones) are its own, and the rollout's patch is left alone.
+pure `graft.rollout.fleet.converge`, and carries out what it returns through the one executor of
+pod actions (`graft.operator.executor`): pod labels and annotations first, then one admin call per
+pod, then the pod's readiness-gate condition `graft.dev/patched`. While a rollout is active on the
+fleet (its `status.fleet` names it), the rollout's patch is left alone, and so are the labels and
+annotations of the pods it acts on (`graft.rollout.fleet.rollout_labels`: one writer at a time).
+An action that fails keeps its pod pending, the reason in the fleet's status; one that fails
+unexpectedly is also posted as a Warning Event (ActionFailed).
 
 The rollout side (graft.operator.reconcile) finds or creates the fleet when a rollout starts, and
 records the patch in the fleet when the rollout is promoted.
@@ -31,18 +35,17 @@ from typing import Any
 
 from graft.operator import pods as podsmod
 from graft.operator.admin import AdminError
-from graft.operator.bundles import BundleError, load_source
-from graft.operator.kube import Kube, KubeError, fleet_path, pods_path, rollouts_path
+from graft.operator.executor import PodExecutor
+from graft.operator.kube import Kube, KubeError, fleet_path, rollouts_path
 from graft.operator.revisions import Container, RevisionBook, engine_answer
 from graft.operator.runtime import Runtime, TokenError
-from graft.rollout.fleet import (PATCHED_CONDITION, ApplyPatch, FleetPod, MarkPod, RevertPatch, SetPatched,
-                                 adopt, converge, desired_revision, with_promoted, without)
-from graft.api import Reason, patches_of
+from graft.rollout.actions import ApplyPatch, LabelPod, RevertPatch, SetPatched
+from graft.rollout.fleet import (PATCHED_CONDITION, FleetPod, adopt, converge, desired_revision, rollout_labels,
+                                 with_promoted, without)
+from graft.api import ACTIVE_PHASES, Reason
 from graft.rollout.spec import (FleetSpec, LabelSelector, PatchSpec, SpecError, parse_fleet_spec,
                                 parse_selector, patch_to_dict)
 from graft.rollout.status import PENDING, from_time, to_time
-
-ACTIVE_PHASES = ("Progressing", "Paused", "RollingBack")
 
 
 class FleetOverlap(Exception):
@@ -174,6 +177,15 @@ async def active_rollout(kube: Kube, namespace: str, fleet: str,
     return min(starting, key=order) if starting else None
 
 
+def _rollout_labels(rollout: dict[str, Any] | None, pods: list[FleetPod]) -> frozenset[str]:
+    """The pods whose label and annotation `rollout` (the active one, or None) writes: not ours."""
+    if rollout is None:
+        return frozenset()
+    status = rollout.get("status") or {}
+    recorded = [p.get("name") for p in status.get("pods") or [] if isinstance(p, dict)]
+    return rollout_labels(status.get("phase") or PENDING, recorded, pods)
+
+
 async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
@@ -211,17 +223,24 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
     rollout = await active_rollout(runtime.kube, namespace, name, spec.selector)
     rollout_patch = ((rollout.get("spec") or {}).get("patch") or {}).get("name") if rollout else None
     spec = await _reread(runtime, namespace, name, spec)
-    plan = converge(spec.patches, list(fleet_pods), rollout_patch=rollout_patch)
+    plan = converge(spec.patches, list(fleet_pods), rollout_patch=rollout_patch,
+                    rollout_pods=_rollout_labels(rollout, fleet_pods))
     plan.actions += _renewed_gates(raw, fleet_pods, plan.converged)
-    by_name = {p["metadata"]["name"]: p for p in raw}
+    executor = PodExecutor(runtime, namespace, workloads, {p["metadata"]["name"]: p for p in raw})
     errors: dict[str, str] = {}
+    failed: list[str] = []
     # labels and annotations first, then the engines, then the gates
-    for kind in (MarkPod, (ApplyPatch, RevertPatch), SetPatched):
-        group = [a for a in plan.actions if isinstance(a, kind)]
-        await asyncio.gather(*(_act(runtime, workloads, admin, namespace, by_name[a.pod], a, errors) for a in group))
-    pending = [{"name": n, "reason": errors.get(n, why)} for n, why in sorted(plan.pending.items())]
+    for kind in (LabelPod, ApplyPatch | RevertPatch, SetPatched):
+        for outcome in await executor.run_all(a for a in plan.actions if isinstance(a, kind)):
+            if not outcome.ok:
+                errors.setdefault(outcome.pod, outcome.message)
+            if outcome.problem is not None and outcome.problem.reason == Reason.ACTION_FAILED:
+                failed.append(outcome.message)
+    # a pod an action failed on is not converged, whatever it runs: its reason shows in the status
+    pending = [{"name": n, "reason": errors.get(n, plan.pending.get(n))}
+               for n in sorted(set(plan.pending) | set(errors))]
     revision = desired_revision(spec.patches)
-    converged = len(plan.converged)
+    converged = len([n for n in plan.converged if n not in errors])
     ok = not pending
     message = (f"all {len(raw)} pods run {revision}" if ok else
                f"{converged} of {len(raw)} pods run {revision}; pending: "
@@ -231,6 +250,8 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
               "activeRollout": rollout["metadata"]["name"] if rollout else None,
               "conditions": _conditions(old_status, ok, Reason.CONVERGED if ok else Reason.CONVERGING, message, meta)}
     events = strangers
+    reported = {p.get("reason") for p in old_status.get("pending") or []}
+    events += [(Reason.ACTION_FAILED, message, "Warning") for message in failed if message not in reported]
     if (old_status.get("converged"), old_status.get("pods"), old_status.get("revision")) != (converged, len(raw), revision):
         events.append((Reason.FLEET_CONVERGED if ok else Reason.FLEET_CONVERGING, message, "Normal"))
     return await _write(runtime, body, status, events)
@@ -283,44 +304,6 @@ async def _observe(workloads: podsmod.Workloads, admin, pod: dict[str, Any], boo
     except (AdminError, podsmod.AddressError) as e:
         fp.error = str(e)
     return fp
-
-
-async def _act(runtime: Runtime, workloads: podsmod.Workloads, admin, namespace: str, pod: dict[str, Any], action,
-               errors: dict[str, str]) -> None:
-    name = pod["metadata"]["name"]
-    try:
-        match action:
-            case MarkPod(_, track, revision):
-                await podsmod.label_pod(runtime.kube, namespace, name, track, revision)
-            case ApplyPatch(_, patch):
-                source = await load_source(runtime.kube, namespace, patch)
-                running = {r.partition("@")[0] for r in patches_of(_revision_of(pod) or "")}
-                await admin.apply(*workloads.address(pod), patch.name, patch.version,
-                                  source, patch.config, **({"replace": True} if patch.name in running else {}))
-            case RevertPatch(_, patch_name):
-                await admin.revert(*workloads.address(pod), patch_name)
-            case SetPatched(_, value, message):
-                await set_condition(runtime.kube, namespace, pod, PATCHED_CONDITION, value,
-                                    Reason.PATCHED if value else Reason.CONVERGING, message)
-    except BundleError as e:
-        errors[name] = e.problem.message
-    except (AdminError, ValueError, TypeError) as e:
-        errors[name] = str(e)
-
-
-def _revision_of(pod: dict[str, Any]) -> str | None:
-    return (pod["metadata"].get("annotations") or {}).get(podsmod.PATCHES_ANNOTATION)
-
-
-async def set_condition(kube: Kube, namespace: str, pod: dict[str, Any], kind: str, value: bool,
-                        reason: str, message: str) -> None:
-    """Set one condition in the pod's status, keeping every other condition as it is."""
-    import time
-    conditions = [c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") != kind]
-    conditions.append({"type": kind, "status": "True" if value else "False", "reason": reason,
-                       "message": message, "lastTransitionTime": to_time(time.time())})
-    await kube.merge_patch(pods_path(namespace, pod["metadata"]["name"]) + "/status",
-                           {"status": {"conditions": conditions}})
 
 
 def _conditions(old: dict[str, Any], ok: bool, reason: str, message: str, meta: dict[str, Any]) -> list[dict]:

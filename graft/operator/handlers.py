@@ -16,11 +16,12 @@ from typing import Any
 
 import kopf
 
-from graft.api import FINAL_PHASES, FLEETS as FLEET_PLURAL, GROUP, ROLLOUTS as PLURAL, VERSION, Reason
+from graft.api import (ACTIVE_PHASES, FINAL_PHASES, FLEETS as FLEET_PLURAL, GROUP, ROLLOUTS as PLURAL, VERSION,
+                       Reason)
 from graft.operator import events, history
 from graft.operator.fleet import reconcile_fleet
 from graft.operator.kube import fleet_path, rollout_path
-from graft.operator.reconcile import ACTIVE, reconcile
+from graft.operator.reconcile import reconcile
 from graft.operator.routers import RouteError, router_for
 from graft.operator.runtime import Runtime
 from graft.rollout.decision import Event
@@ -142,12 +143,12 @@ async def finalize(runtime: Runtime, body: kopf.Body) -> None:
         current = await _fresh(runtime, body) or dict(body)
         status = RolloutStatus.from_dict(current.get("status"))
         result = None
-        if status.phase in ACTIVE:
+        if status.phase in ACTIVE_PHASES:
             result = await reconcile(runtime, current, time.time(), abort=True)
             status = result.status
     for event in result.events if result else []:
         events.post(body, event)
-    if status.phase in ACTIVE:
+    if status.phase in ACTIVE_PHASES:
         raise kopf.TemporaryError(f"reverting before deletion: {status.message}", delay=runtime.settings.tick)
     runtime.locks.pop(body["metadata"]["uid"], None)
     runtime.metrics.forget(body["metadata"]["namespace"], body["metadata"]["name"])

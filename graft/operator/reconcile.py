@@ -15,32 +15,28 @@ from typing import Any
 
 from graft.operator import pods as podsmod
 from graft.operator.admin import AdminClient, AdminError, EngineAnswer
-from graft.operator.bundles import load_source
-from graft.operator.kube import cluster_template_path, fleet_path, rollout_path, template_path
-from graft.operator.pods import AddressError, NoPodIP
-from graft.operator.routers import RouteError, Router, router_for
-from graft.operator.problems import BundleError, PrometheusRefused, SecretError, TokenError
-from graft.operator.runtime import Runtime
-from graft.rollout.analysis import plan_run
+from graft.operator.executor import Outcome, PodExecutor
 from graft.operator.fleet import (FleetOverlap, active_rollout, create_for_gated_pods, find_fleet,
-                                  find_or_create_fleet,
-                                  record_promotion)
-from graft.rollout.decision import (Action, ClearPromote, ClearResume, Event, LabelPod, PatchPod,
-                                    RecordPromotion, SetWeight, UnpatchPod)
-from graft.rollout.machine import analysis_due, decide, known_revision
+                                  find_or_create_fleet, record_promotion)
+from graft.operator.kube import cluster_template_path, fleet_path, rollout_path, template_path
+from graft.operator.pods import AddressError
+from graft.operator.problems import PrometheusRefused, SecretError, TokenError
+from graft.operator.routers import RouteError, Router, router_for
+from graft.operator.runtime import Runtime
+from graft.rollout import loop
+from graft.rollout.actions import PodAction
+from graft.rollout.analysis import plan_run
+from graft.rollout.decision import Action, ClearPromote, ClearResume, Event, RecordPromotion, SetWeight
+from graft.rollout.machine import analysis_due, known_revision
 from graft.rollout.observation import (UNREACHABLE, Controls, Measurement, Observation, PodError,
                                        PodObservation, Problem)
-from graft.api import FINAL_PHASES, Reason, has_patch, patches_of
-from graft.rollout.spec import (REVERT, PatchSource, PatchSpec, RolloutSpec, SpecError, parse_fleet_spec, parse_spec,
-                                template_refs)
-from graft.rollout.status import (FAILED, PAUSED, PENDING, PROGRESSING, ROLLING_BACK, RolloutStatus,
-                                  from_time)
+from graft.api import ACTIVE_PHASES, FINAL_PHASES, Reason, has_patch
+from graft.rollout.spec import REVERT, PatchSpec, RolloutSpec, SpecError, parse_fleet_spec, parse_spec, template_refs
+from graft.rollout.status import FAILED, PENDING, RolloutStatus, from_time
 
 PROMOTE_ANNOTATION = "graft.dev/promote"
 RESUME_ANNOTATION = "graft.dev/resume"
 ABORT_ANNOTATION = "graft.dev/abort"
-MAX_ROUNDS = 5
-ACTIVE = (PROGRESSING, PAUSED, ROLLING_BACK)
 
 
 @dataclass(slots=True)
@@ -56,7 +52,7 @@ async def reconcile(runtime: Runtime, body: dict[str, Any], now: float, *, abort
         templates = await load_templates(runtime, body)
         spec = parse_spec(body.get("spec") or {}, templates)
     except SpecError as e:
-        lenient = _without_templates(body) if stored.phase in ACTIVE else None
+        lenient = _without_templates(body) if stored.phase in ACTIVE_PHASES else None
         if lenient is not None and (abort or _past_deadline(stored, lenient, now)):
             # the analysis cannot be read any more (a template deleted since), but what to take out
             # and where the traffic goes can: abort, so canaries are reverted and a deletion completes
@@ -65,7 +61,7 @@ async def reconcile(runtime: Runtime, body: dict[str, Any], now: float, *, abort
             message = f"invalid spec: {e}; {why}, the canaries are reverted"
             if stored.message != message:
                 events.insert(0, Event(Reason.INVALID_SPEC, message, "Warning"))
-            status.message = message if status.phase in ACTIVE else status.message
+            status.message = message if status.phase in ACTIVE_PHASES else status.message
             status.refresh_conditions(now)
             return await _write(runtime, body, stored, Result(status, events))
         return await _write(runtime, body, stored, _invalid(stored, e, body, now))
@@ -92,7 +88,7 @@ async def load_templates(runtime: Runtime, body: dict[str, Any]) -> dict[tuple[s
 def _invalid(stored: RolloutStatus, error: SpecError, body: dict[str, Any], now: float) -> Result:
     status = stored.copy()
     message = f"invalid spec: {error}"
-    if status.phase in ACTIVE:
+    if status.phase in ACTIVE_PHASES:
         # never act on a spec we cannot read: hold (to the progress deadline when the rest of it
         # still reads, see `reconcile`)
         message = f"{message}; holding until it is fixed"
@@ -152,9 +148,9 @@ async def _write(runtime: Runtime, body: dict[str, Any], stored: RolloutStatus, 
 
 
 class Reconciliation:
-    """One reconciliation of one rollout: rounds of observe, decide (graft.rollout.machine) and act
-    until the decision asks for nothing more (at most MAX_ROUNDS), remembering within it what the
-    engines answered so that no pod is asked twice."""
+    """One reconciliation of one rollout: the `graft.rollout.loop.Effects` of the shared loop (rounds of
+    observe, decide and act until the decision asks for nothing more), remembering within it what the
+    engines answered so that no pod is asked twice. Pod actions go to the one `PodExecutor`."""
 
     def __init__(self, runtime: Runtime, spec: RolloutSpec, body: dict[str, Any], now: float, abort: bool):
         self.runtime, self.spec, self.body, self.now, self.abort = runtime, spec, body, now, abort
@@ -168,36 +164,26 @@ class Reconciliation:
         self.problem: Problem | None = None
         # a Prometheus the operator may not ask fails the rollout before anything is read or sent
         self.refusal = runtime.prometheus_refusal(spec.analysis.prometheus, self.namespace)
-        self.sources: dict[str, dict[str, Any]] = {}   # patch ref -> the POST body's source
+        self.executor = PodExecutor(runtime, self.namespace, self.workloads, self.pods, classify=self.pod_error)
+        self.recorded: tuple[PatchSpec, ...] | None = None   # the fleet's patches, once read
+        self.overlap = ""                        # why `start` found the rollout's pods shared with another fleet
         self.promote_done = False                # a promote control acts once, not once per round
         self.resume_done = False                 # and so does a resume
         self.status = RolloutStatus()
 
     async def run(self, status: RolloutStatus) -> tuple[RolloutStatus, list[Event]]:
-        events: list[Event] = []
         pending = status.copy() if status.phase == PENDING else None
         if status.phase == PENDING:
             await self.wait_for_turn()
         due = self.refusal is None and analysis_due(self.spec, status, self.now)
         measurements = await self.measure(status) if due else None
-        for _ in range(MAX_ROUNDS):
-            self.status = status
-            d = decide(self.spec, status, await self.observe(status, measurements), self.now)
-            starting = status.phase == PENDING and d.status.phase != PENDING
-            status, measurements = d.status, None
-            events += d.events
-            if not d.actions:
-                break
-            if starting:
-                try:
-                    await self.claim_fleet(status)
-                except FleetOverlap as e:
-                    # lost a race with a rollout over overlapping pods starting at the same moment:
-                    # nothing is touched, and the next tick holds it as wait_for_turn would have
-                    pending.reason, pending.message = Reason.FLEET_OVERLAP, str(e)
-                    return pending, []
-            self.status = status
-            await self.execute(d.actions)
+        done = await loop.tick(self.spec, status, self.now, self, measurements)
+        if done.held:
+            # lost a race with a rollout over overlapping pods starting at the same moment: nothing
+            # is touched, and the next tick holds it as wait_for_turn would have
+            pending.reason, pending.message = Reason.FLEET_OVERLAP, self.overlap
+            return pending, []
+        status = done.status
         try:
             if status.phase != PENDING and not status.fleet:
                 status.fleet = await find_or_create_fleet(self.runtime.kube, self.namespace, self.spec.selector,
@@ -208,7 +194,7 @@ class Reconciliation:
                                             list(self.pods.values()), self.workloads)
         except FleetOverlap:
             pass        # a started rollout keeps going without one; a pending one holds on it next tick
-        return status, self.strangers_reported() + events
+        return status, self.strangers_reported() + done.events
 
     def strangers_reported(self) -> list[Event]:
         """A Warning Event, once per pod, for each pod the selector picks that is no engine of a
@@ -220,15 +206,21 @@ class Reconciliation:
                                  "Warning"))
         return out
 
-    async def claim_fleet(self, status: RolloutStatus) -> None:
+    async def start(self, status: RolloutStatus) -> bool:
         """Before a starting rollout touches a pod: record its fleet and store the status, so that the
         fleet controller, seeing a pod run this rollout's patch, also sees this rollout active on the
-        fleet (and leaves that patch and its Ready pods to it) rather than reverting it as drift."""
-        if not status.fleet:
-            status.fleet = await find_or_create_fleet(self.runtime.kube, self.namespace, self.spec.selector,
-                                                      status.stable_revision)
+        fleet (and leaves that patch and the pods' labels to it) rather than reverting it as drift.
+        False when another fleet turned out to select some of its pods (`self.overlap` says which)."""
+        try:
+            if not status.fleet:
+                status.fleet = await find_or_create_fleet(self.runtime.kube, self.namespace, self.spec.selector,
+                                                          status.stable_revision)
+        except FleetOverlap as e:
+            self.overlap = str(e)
+            return False
         await self.runtime.kube.merge_patch(rollout_path(self.namespace, self.name) + "/status",
-                                       {"status": status.to_dict()})
+                                            {"status": status.to_dict()})
+        return True
 
     async def wait_for_turn(self) -> None:
         """One rollout per fleet at a time: a second one waits, Pending (Queued), for the first to end.
@@ -263,7 +255,7 @@ class Reconciliation:
             problem = problem or e.problem
         picked = await podsmod.list_pods(self.runtime.kube, self.namespace, self.spec.selector.to_query())
         raw = await self.workloads.engines(picked)
-        self.pods = {p["metadata"]["name"]: p for p in raw}
+        self.pods = self.executor.pods = {p["metadata"]["name"]: p for p in raw}
         if not raw and picked:
             left = "; ".join(f"pod {p['metadata']['name']}: {self.workloads.refused[p['metadata']['name']]}"
                              for p in picked[:3])
@@ -284,7 +276,8 @@ class Reconciliation:
                             promoted_by=annotation_manager(self.body["metadata"], PROMOTE_ANNOTATION))
         return Observation(observed, measurements, route_weight, controls, problem,
                            from_time(self.body["metadata"].get("creationTimestamp")) or self.now,
-                           int(self.body["metadata"].get("generation") or 0), self.name)
+                           int(self.body["metadata"].get("generation") or 0), self.name,
+                           await self.stable_patch(status))
 
     async def revision(self, status: RolloutStatus, pod: PodObservation, admin: AdminClient | None) -> None:
         pod.revision = self.answered.get(pod.name) or known_revision(status, pod)
@@ -292,7 +285,7 @@ class Reconciliation:
         if pod.revision is not None or not pod.ready or admin is None or pod.error is not None:
             return
         try:
-            answer = await admin.state(*self.address(pod.name))
+            answer = await admin.state(*self.executor.address(pod.name))
             pod.revision = answer.revision
             self.runtime.unauthorized.pop(f"{self.namespace}/{pod.name}", None)
         except (AdminError, AddressError) as e:
@@ -316,31 +309,47 @@ class Reconciliation:
                             "and every pod's state say which version runs); give the re-packed bundle a new "
                             "version", permanent=True)
 
-    def address(self, pod: str) -> tuple[str, int]:
-        """The engine pod's admin address; NoPodIP when it has no IP yet."""
-        address = self.workloads.address(self.pods[pod])
-        if address is None:
-            raise NoPodIP(f"pod {pod} has no IP yet")
-        return address
+    async def stable_patch(self, status: RolloutStatus) -> PatchSpec | None:
+        """The version an upgrade goes back to, as the fleet records it (read once a reconciliation);
+        None when the rollout is no upgrade or the fleet does not record that version."""
+        if not status.stable_patch or not status.fleet:
+            return None
+        if self.recorded is None:
+            fleet = await self.runtime.kube.get(fleet_path(self.namespace, status.fleet))
+            try:
+                self.recorded = parse_fleet_spec((fleet or {}).get("spec") or {}).patches
+            except SpecError:
+                self.recorded = ()
+        return next((p for p in self.recorded if p.ref == status.stable_patch), None)
 
     # acting
-    async def execute(self, actions: list[Action]) -> None:
+    async def execute(self, status: RolloutStatus, actions: list[Action]) -> None:
         """Runs the actions in order; a run of actions of one kind goes out concurrently. Once an action
         meets a problem (a route update refused, no token, no bundle) the rest wait for the next decision:
         a rollback must not revert the canaries while the route still sends them traffic."""
+        self.status = status
         for _, group in itertools.groupby(actions, key=type):
-            await asyncio.gather(*(self.act(a) for a in group))
+            group = list(group)
+            if isinstance(group[0], PodAction):
+                for outcome in await self.executor.run_all(group):
+                    self.take(outcome)
+            else:
+                for action in group:
+                    await self.act(action)
             if self.problem is not None:
                 break
 
+    def take(self, outcome: Outcome) -> None:
+        """What a pod action's outcome tells the next decision."""
+        if outcome.revision is not None:
+            self.answered[outcome.pod] = outcome.revision
+        if outcome.error is not None:
+            self.errors[outcome.pod] = outcome.error
+        if outcome.problem is not None:
+            self.problem = self.problem or outcome.problem
+
     async def act(self, action: Action) -> None:
         match action:
-            case PatchPod(pod):
-                await self.patch(pod)
-            case UnpatchPod(pod):
-                await self.unpatch(pod)
-            case LabelPod(pod, track, revision):
-                await podsmod.label_pod(self.runtime.kube, self.namespace, pod, track, revision)
             case SetWeight(weight):
                 try:
                     await self.router.set_weight(weight)
@@ -357,74 +366,9 @@ class Reconciliation:
             case ClearPromote():
                 self.promote_done = True
                 await self.runtime.kube.merge_patch(rollout_path(self.namespace, self.name),
-                                               {"metadata": {"annotations": {PROMOTE_ANNOTATION: None}}})
-
-    async def patch_source(self, patch: PatchSpec) -> dict[str, Any] | None:
-        if patch.ref not in self.sources and self.problem is None:
-            try:
-                self.sources[patch.ref] = await load_source(self.runtime.kube, self.namespace, patch)
-            except BundleError as e:
-                self.problem = e.problem
-        return self.sources.get(patch.ref)
-
-    async def patch(self, pod: str) -> None:
-        """Bring the pod to its canary form: the patch applied (or, reverting, removed)."""
-        if self.spec.action == REVERT:
-            await self.remove(pod)
-        else:
-            await self.apply(pod, self.spec.patch)
-
-    async def unpatch(self, pod: str) -> None:
-        """Bring the pod back to its stable form: what it ran before this rollout."""
-        if self.spec.action == REVERT:
-            await self.apply(pod, self.spec.patch)
-        elif self.status.stable_patch:
-            await self.apply(pod, await self.stable_patch_spec())
-        else:
-            await self.remove(pod)
-
-    async def apply(self, pod: str, p: PatchSpec) -> None:
-        source = await self.patch_source(p)
-        if source is None:
-            return
-        # another version of the patch running there is replaced in one swap, never removed first
-        running = self.answered.get(pod) or (self.status.pod(pod).revision if self.status.pod(pod) else None)
-        replace = any(r.partition("@")[0] == p.name and r != p.ref for r in patches_of(running or ""))
-        try:
-            admin = await self.runtime.admin()
-            self.answered[pod] = await admin.apply(*self.address(pod), p.name, p.version, source, p.config,
-                                                   **({"replace": True} if replace else {}))
-            self.runtime.unauthorized.pop(f"{self.namespace}/{pod}", None)
-        except TokenError as e:
-            self.problem = self.problem or e.problem
-        except (AdminError, AddressError) as e:
-            self.errors[pod] = self.pod_error(pod, e)
-
-    async def remove(self, pod: str) -> None:
-        name = (self.status.patch or self.spec.patch.ref).partition("@")[0]
-        try:
-            admin = await self.runtime.admin()
-            self.answered[pod] = await admin.revert(*self.address(pod), name)
-            self.runtime.unauthorized.pop(f"{self.namespace}/{pod}", None)
-        except TokenError as e:
-            self.problem = self.problem or e.problem
-        except (AdminError, AddressError) as e:
-            self.errors[pod] = self.pod_error(pod, e)
-
-    async def stable_patch_spec(self) -> PatchSpec:
-        """The version an upgrade goes back to: as the fleet records it, else a built-in of that version."""
-        name, _, version = self.status.stable_patch.partition("@")
-        if self.status.fleet:
-            fleet = await self.runtime.kube.get(fleet_path(self.namespace, self.status.fleet))
-            try:
-                recorded = parse_fleet_spec((fleet or {}).get("spec") or {}).patches
-            except SpecError:
-                recorded = ()
-            for p in recorded:
-                if p.ref == self.status.stable_patch:
-                    return p
-        return PatchSpec(name, version, PatchSource(builtin=True))
-
+                                                    {"metadata": {"annotations": {PROMOTE_ANNOTATION: None}}})
+            case _:
+                raise TypeError(f"not a rollout action: {action!r}")
 
     def pod_error(self, pod: str, e: AdminError | AddressError) -> PodError:
         """What an admin call's failure means for the rollout. A refused token (401/403) is final only

@@ -1,29 +1,11 @@
-"""What the state machine asks the operator to do: actions on pods and traffic, events, a new status."""
+"""What the state machine asks the operator to do: actions on pods (`graft.rollout.actions`, shared
+with the fleet) and on traffic and the rollout itself, events, a new status."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from graft.rollout.actions import PodAction
 from graft.rollout.status import RolloutStatus
-
-
-@dataclass(slots=True, frozen=True)
-class PatchPod:
-    """Apply the rollout's patch on this pod's engine (POST /admin/patches)."""
-    pod: str
-
-
-@dataclass(slots=True, frozen=True)
-class UnpatchPod:
-    """Revert the rollout's patch on this pod's engine (DELETE /admin/patches/{name})."""
-    pod: str
-
-
-@dataclass(slots=True, frozen=True)
-class LabelPod:
-    """Set graft.dev/track and the graft.dev/patches annotation (read by a restarted engine)."""
-    pod: str
-    track: str
-    revision: str
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,7 +29,7 @@ class RecordPromotion:
     """Write the promoted patch into the fleet's durable state (its PatchFleet), for every pod to come."""
 
 
-Action = PatchPod | UnpatchPod | LabelPod | SetWeight | ClearPromote | ClearResume | RecordPromotion
+Action = PodAction | SetWeight | ClearPromote | ClearResume | RecordPromotion
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,3 +44,4 @@ class Decision:
     status: RolloutStatus
     actions: list[Action] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
+

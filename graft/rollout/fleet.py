@@ -19,52 +19,26 @@ reverted, which lets the engine in without it. Nothing else would: the rollout a
 only, and such an engine never turns ready by itself.
 
 While a rollout is active on the fleet, the patch it rolls out belongs to it: the fleet controller
-neither applies nor reverts that patch (by name) on any pod, and leaves the Ready pods' labels to
-the rollout; everything else still converges. `converge` is pure: the operator observes, calls it,
-and carries out the actions.
+neither applies nor reverts that patch (by name) on any pod; everything else still converges. A
+pod's label and annotation have one writer at a time (`rollout_labels`): the rollout's for the pods
+it acts on, the fleet's for every other pod. `converge` is pure: the operator observes, calls it,
+and carries out the actions (`graft.rollout.actions`, the rollout's own vocabulary too).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graft.api import config_digest, patch_ref, patches_of, revision_of
+from collections.abc import Collection, Iterable
+
+from graft.api import ACTIVE_PHASES, Phase, config_digest, patch_ref, patches_of, revision_of
+from graft.rollout.actions import ApplyPatch, LabelPod, RevertPatch, SetPatched, apply_patch
 from graft.rollout.spec import PatchSpec
 
 PATCHED_CONDITION = "graft.dev/patched"
 STABLE = "stable"
 
 
-@dataclass(slots=True, frozen=True)
-class ApplyPatch:
-    """POST the patch to the pod's engine (replacing another version of it when one is applied)."""
-    pod: str
-    patch: PatchSpec
-
-
-@dataclass(slots=True, frozen=True)
-class RevertPatch:
-    """DELETE the patch named `name` from the pod's engine."""
-    pod: str
-    name: str
-
-
-@dataclass(slots=True, frozen=True)
-class MarkPod:
-    """Set the pod's label graft.dev/track and annotation graft.dev/patches."""
-    pod: str
-    track: str
-    revision: str
-
-
-@dataclass(slots=True, frozen=True)
-class SetPatched:
-    """Set the pod's readiness-gate condition graft.dev/patched."""
-    pod: str
-    value: bool
-    message: str = ""
-
-
-FleetAction = ApplyPatch | RevertPatch | MarkPod | SetPatched
+FleetAction = ApplyPatch | RevertPatch | LabelPod | SetPatched
 
 
 @dataclass(slots=True)
@@ -95,22 +69,39 @@ def desired_revision(patches: list[PatchSpec] | tuple[PatchSpec, ...]) -> str:
     return revision_of(p.ref for p in patches)
 
 
+def rollout_labels(phase: str, recorded: Iterable[str], pods: Iterable[FleetPod]) -> frozenset[str]:
+    """The pods whose label graft.dev/track and annotation graft.dev/patches an active rollout writes,
+    and the fleet controller leaves alone; the fleet controller writes those of every other pod.
+
+    While the rollout runs (Progressing, Paused, RollingBack) it writes those of every pod it records
+    (`recorded`, its status.pods), Ready or not: its canaries keep the canary label while they
+    restart, and nothing relabels them back and forth. While it starts (Pending, on the fleet's
+    selector) it writes those of the Ready pods, which it labels in the very tick it starts, before
+    its status records them. A pod it does not record (one that arrived since) stays the fleet's
+    until it does, and a finished rollout writes none."""
+    if phase in ACTIVE_PHASES:
+        return frozenset(recorded)
+    if phase == Phase.PENDING:
+        return frozenset(p.name for p in pods if p.ready)
+    return frozenset()
+
+
 def converge(patches: list[PatchSpec] | tuple[PatchSpec, ...], pods: list[FleetPod], *,
-             rollout_patch: str | None = None) -> FleetPlan:
+             rollout_patch: str | None = None, rollout_pods: Collection[str] = ()) -> FleetPlan:
     """The actions that bring every pod to the fleet's patches.
 
     `rollout_patch`: the name of the patch an active rollout on this fleet owns (left alone), or None.
+    `rollout_pods`: the pods whose label and annotation that rollout writes (`rollout_labels`).
     """
     plan = FleetPlan()
     wanted = {p.name: p for p in patches if p.name != rollout_patch}
     target = desired_revision(patches)
     for pod in sorted(pods, key=lambda p: p.name):
-        owned_by_rollout = rollout_patch is not None and pod.ready
-        if not owned_by_rollout:
+        if pod.name not in rollout_pods:
             # the annotation first: a restart must bring back the right code, whatever happens next
             annotation = _with_rollout_patch(target, pod.revision, rollout_patch)
             if pod.patches != annotation or pod.track != STABLE:
-                plan.actions.append(MarkPod(pod.name, STABLE, annotation))
+                plan.actions.append(LabelPod(pod.name, STABLE, annotation))
         if not pod.running:
             plan.pending[pod.name] = "not running"
             continue
@@ -135,15 +126,15 @@ def _next_step(wanted: dict[str, PatchSpec], pod: FleetPod, rollout_patch: str |
     running = {ref.partition("@")[0]: ref for ref in patches_of(pod.revision or "")}
     for name, patch in sorted(wanted.items()):
         if running.get(name) != patch.ref:
-            return ApplyPatch(pod.name, patch)
+            return apply_patch(pod.name, patch, pod.revision)
         # the right version with another config (a restart brought a built-in back with its defaults:
         # GRAFT_PATCHES names versions only): swapped for the fleet's config
         if pod.configs.get(name, config_digest(patch.config)) != config_digest(patch.config):
-            return ApplyPatch(pod.name, patch)
+            return apply_patch(pod.name, patch, pod.revision)
         # the right version from other code (a bundle re-packed under the same version): the fleet's
         pinned = patch.source.digest
         if pinned and pod.digests.get(name, pinned).lower() != pinned.lower():
-            return ApplyPatch(pod.name, patch)
+            return apply_patch(pod.name, patch, pod.revision)
     for name in sorted(running):
         if name not in wanted and name != rollout_patch:
             return RevertPatch(pod.name, name)
@@ -160,7 +151,7 @@ def _awaited(patches: list[PatchSpec] | tuple[PatchSpec, ...], pod: FleetPod) ->
         if ref in patches_of(pod.revision or ""):
             continue
         if ref in fleet:
-            return ApplyPatch(pod.name, fleet[ref])
+            return apply_patch(pod.name, fleet[ref], pod.revision)
         return RevertPatch(pod.name, ref.partition("@")[0])
     return None
 
@@ -196,5 +187,5 @@ def adopt(revision: str) -> list[PatchSpec]:
     return out
 
 
-__all__ = ["ApplyPatch", "RevertPatch", "MarkPod", "SetPatched", "FleetPod", "FleetPlan", "converge",
-           "desired_revision", "with_promoted", "without", "adopt", "PATCHED_CONDITION", "patch_ref"]
+__all__ = ["FleetPod", "FleetPlan", "converge", "rollout_labels", "desired_revision", "with_promoted", "without",
+           "adopt", "PATCHED_CONDITION", "patch_ref"]

@@ -23,12 +23,12 @@ import math
 from collections import Counter
 
 from graft.rollout import analysis as judge
-from graft.rollout.decision import (ClearPromote, ClearResume, Decision, Event, LabelPod, PatchPod,
-                                    RecordPromotion, SetWeight, UnpatchPod)
+from graft.rollout.actions import LabelPod, PodAction, RevertPatch, apply_patch
+from graft.rollout.decision import ClearPromote, ClearResume, Decision, Event, RecordPromotion, SetWeight
 from graft.rollout.durations import format_duration
 from graft.rollout.observation import PERMANENT_ERRORS, VERIFY_FAILED, Observation, PodObservation
 from graft.api import FINAL_PHASES, Reason, has_patch, patches_of, with_patch, without_patch
-from graft.rollout.spec import REVERT, RolloutSpec
+from graft.rollout.spec import REVERT, PatchSource, PatchSpec, RolloutSpec
 from graft.rollout.status import (CANARY, FAILED, PAUSED, PENDING, PROGRESSING, PROMOTED,
                                   ROLLED_BACK, ROLLING_BACK, STABLE, PodRecord, RolloutStatus, to_time)
 
@@ -244,6 +244,28 @@ class _Machine:
             return False
         return not has_patch(revision, self.ref) if self.reverting else has_patch(revision, self.ref)
 
+    def to_canary(self, pod: str, running: str) -> PodAction:
+        """The admin call that brings a pod to its canary form: the patch applied (or, reverting, removed)."""
+        if self.reverting:
+            return RevertPatch(pod, self.ref.partition("@")[0])
+        return apply_patch(pod, self.spec.patch, running)
+
+    def to_stable(self, pod: str, running: str) -> PodAction:
+        """The admin call that brings a pod back to its stable form: what it ran before this rollout."""
+        if self.reverting:
+            return apply_patch(pod, self.spec.patch, running)
+        if self.status.stable_patch:              # an upgrade: the version the fleet ran, swapped back in
+            return apply_patch(pod, self.stable_patch_spec(), running)
+        return RevertPatch(pod, self.ref.partition("@")[0])
+
+    def stable_patch_spec(self) -> PatchSpec:
+        """The version an upgrade goes back to: as the fleet records it, else a built-in of that version."""
+        recorded = self.obs.stable_patch
+        if recorded is not None and recorded.ref == self.status.stable_patch:
+            return recorded
+        name, _, version = self.status.stable_patch.partition("@")
+        return PatchSpec(name, version, PatchSource(builtin=True))
+
     def wants_patch(self, record: PodRecord) -> bool:
         return self.status.phase == PROMOTED or (self.status.phase in (PROGRESSING, PAUSED) and record.track == CANARY)
 
@@ -260,7 +282,8 @@ class _Machine:
             if wants != has:
                 waiting.append(pod.name)
                 if act and pod.error is None:   # an engine that just failed is tried again next tick
-                    self.actions.append(PatchPod(pod.name) if wants else UnpatchPod(pod.name))
+                    self.actions.append(self.to_canary(pod.name, record.revision) if wants
+                                        else self.to_stable(pod.name, record.revision))
                     if wants and pod.name in self.restarted:
                         self.event(Reason.POD_REPATCHED, f"pod {pod.name} restarted and came back without "
                                                    f"{self.ref}; patching it again", WARNING)

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from graft.api import Reason
+from graft.rollout.spec import PatchSpec
 
 # Admin API answers, by how the rollout treats them.
 PERMANENT_ERRORS = {
@@ -108,6 +109,9 @@ class Observation:
     created_at: float = 0.0
     generation: int = 0
     name: str = ""                                  # the rollout's own name (for the hints it gives)
+    # the version an upgrade goes back to as the fleet records it (its source and config); None: a
+    # built-in of status.stablePatch's version
+    stable_patch: PatchSpec | None = None
 
     def pod(self, name: str) -> PodObservation | None:
         return next((p for p in self.pods if p.name == name), None)

@@ -2,9 +2,10 @@
 
 A rollout's thresholds are a bet on traffic: how many requests a step sees, how noisy latency is, how
 often a background error happens. This module plays that bet out before a real rollout does. It
-drives `decide()` exactly as the operator does (measure when an analysis is due, then decide and act
-until nothing is left to do, a tick every few seconds) against a fleet whose engines, routing and
-metrics are simulated:
+drives `decide()` through the operator's own loop (`graft.rollout.loop.tick`: measure when an
+analysis is due, then decide and act until nothing is left to do, a tick every few seconds) and
+carries out every action the operator does, against a fleet whose engines, routing, metrics and
+PatchFleet record are simulated:
 
 - traffic: Poisson arrivals at `rps`, split by the router (pod ratio: evenly over ready pods; Gateway
   API: the route's weight to canary pods, the rest to stable pods);
@@ -43,12 +44,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graft.rollout import analysis as judge
-from graft.rollout.decision import LabelPod, PatchPod, SetWeight, UnpatchPod
-from graft.rollout.machine import analysis_due, decide, known_revision
+from graft.rollout.actions import ApplyPatch, LabelPod, RevertPatch, SetPatched
+from graft.rollout.decision import Action, ClearPromote, ClearResume, RecordPromotion, SetWeight
+from graft.rollout.fleet import with_promoted, without
+from graft.rollout.loop import run_now, tick
+from graft.rollout.machine import analysis_due, known_revision
 from graft.rollout.observation import Controls, Measurement, Observation, PodObservation
 from graft.rollout.queries import CANARY, DIVERGENT, FAILED, Series
 from graft.api import BASE, FINAL_PHASES, Reason, has_patch, with_patch, without_patch
-from graft.rollout.spec import RolloutSpec
+from graft.rollout.spec import REVERT, PatchSpec, RolloutSpec
 from graft.rollout.status import PAUSED, PROMOTED, RolloutStatus
 
 
@@ -60,7 +64,6 @@ def _geometric(start: float, stop: float, factor: float) -> tuple[float, ...]:
 # the engine's histogram buckets (graft.engine.metrics; a test keeps the two equal)
 TOKEN_BUCKETS = _geometric(0.001, 5.0, 1.2)
 LATENCY_BUCKETS = _geometric(0.005, 120.0, 1.25)
-MAX_ROUNDS = 5          # decide/act rounds per tick, as the operator
 
 
 @dataclass(slots=True)
@@ -232,6 +235,8 @@ class Simulation:
         self.status = RolloutStatus()
         self.events: list = []
         self.ref = spec.patch.ref
+        self.promote: str | None = None       # the annotation graft.dev/promote, as the simulated person sets it
+        self.fleet: list[PatchSpec] = []      # the PatchFleet's patches, as promotions record them
         self._probabilities: dict[tuple, np.ndarray] = {}
 
     # the fleet
@@ -362,39 +367,53 @@ class Simulation:
             if obs.revision is None and obs.ready:
                 obs.revision = p.revision
             pods.append(obs)
-        return Observation(pods, measurements, self.route_weight, Controls(promote=self._approval(now)), None, 0.0,
+        self._approve(now)
+        return Observation(pods, measurements, self.route_weight, Controls(promote=self.promote), None, 0.0,
                            self.generation)
 
-    def _approval(self, now: float) -> str | None:
-        """graft.dev/promote as the simulated person sets it: `approve_after` into a manual step's wait."""
+    def _approve(self, now: float) -> None:
+        """The simulated person sets graft.dev/promote (as `graft rollout promote` does) `approve_after`
+        into a manual step's wait; the operator removes it once acted on (ClearPromote)."""
         since, after = self.status.awaiting_approval_since, self.sc.approve_after
-        return "step" if since is not None and after is not None and now >= since + after else None
+        if since is not None and after is not None and now >= since + after:
+            self.promote = "step"
 
-    def _execute(self, actions, answered: dict[str, str]) -> None:
+    def _execute(self, actions: list[Action], answered: dict[str, str]) -> None:
+        """Every action the operator carries out, on the simulated fleet."""
         for a in actions:
-            if isinstance(a, PatchPod):
-                pod = self.pods[a.pod]
-                pod.revision = answered[a.pod] = with_patch(pod.revision, self.ref)
-                pod.compares = True           # swapped in while it runs: the old table stays to compare
-            elif isinstance(a, UnpatchPod):
-                pod = self.pods[a.pod]
-                pod.revision = answered[a.pod] = without_patch(pod.revision, self.ref)
-                pod.compares = False          # an engine compares nothing after a revert
-            elif isinstance(a, LabelPod):
-                self.pods[a.pod].track, self.pods[a.pod].patches = a.track, a.revision
-            elif isinstance(a, SetWeight):
-                self.route_weight = a.weight
+            match a:
+                case ApplyPatch(name, patch, _):
+                    self._swap(name, with_patch(self.pods[name].revision, patch.ref), answered)
+                case RevertPatch(name, patch_name):
+                    self._swap(name, without_patch(self.pods[name].revision, patch_name), answered)
+                case LabelPod(name, track, revision):
+                    self.pods[name].track, self.pods[name].patches = track, revision
+                case SetPatched():
+                    pass                      # the simulated pods declare no readiness gate
+                case SetWeight(weight):
+                    self.route_weight = weight
+                case ClearPromote():
+                    self.promote = None
+                case ClearResume():
+                    pass                      # nobody resumes here: a run ends at a pause for a person
+                case RecordPromotion():
+                    self.fleet = (without(self.fleet, self.spec.patch.name) if self.spec.action == REVERT
+                                  else with_promoted(self.fleet, self.spec.patch))
+                case _:
+                    raise TypeError(f"the simulator cannot carry out {a!r}")
+
+    def _swap(self, name: str, revision: str, answered: dict[str, str]) -> None:
+        pod = self.pods[name]
+        pod.revision = answered[name] = revision
+        # an engine the patch was swapped into while it ran holds the table it ran before, and
+        # compares; one it was taken out of compares nothing
+        pod.compares = has_patch(revision, self.ref) != (self.spec.action == REVERT)
 
     def _tick(self, now: float) -> None:
         measurements = self._measure(now) if analysis_due(self.spec, self.status, now) else None
-        answered: dict[str, str] = {}
-        for _ in range(MAX_ROUNDS):
-            d = decide(self.spec, self.status, self._observe(now, measurements, answered), now)
-            self.status, measurements = d.status, None
-            self.events += d.events
-            if not d.actions:
-                break
-            self._execute(d.actions, answered)
+        done = run_now(tick(self.spec, self.status, now, _Effects(self, now), measurements))
+        self.status = done.status
+        self.events += done.events
 
     def run(self) -> Outcome:
         sc, now = self.sc, 0.0
@@ -413,6 +432,25 @@ class Simulation:
                 break       # nobody approves: the run ends waiting for a person
         s = self.status
         return Outcome(s.phase, s.reason, now, s.step_index + 1, s.message, [e.reason for e in self.events])
+
+
+class _Effects:
+    """The operator's part in one simulated tick, for `graft.rollout.loop.tick`."""
+
+    def __init__(self, sim: Simulation, now: float):
+        self.sim, self.now = sim, now
+        self.answered: dict[str, str] = {}     # revisions the engines gave back this tick
+
+    async def observe(self, status: RolloutStatus, measurements: list[Measurement] | None) -> Observation:
+        self.sim.status = status
+        return self.sim._observe(self.now, measurements, self.answered)
+
+    async def start(self, status: RolloutStatus) -> bool:
+        return True                            # one rollout, one fleet: nothing to claim
+
+    async def execute(self, status: RolloutStatus, actions: list[Action]) -> None:
+        self.sim.status = status
+        self.sim._execute(actions, self.answered)
 
 
 def simulatable(spec: RolloutSpec) -> tuple[RolloutSpec, list[str]]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from graft.rollout.decision import (ClearPromote, ClearResume, Decision, LabelPod, PatchPod, SetWeight,
-                                    UnpatchPod)
-from graft.rollout.machine import decide, known_revision
-from graft.rollout.simulate import MAX_ROUNDS
+from graft.rollout.actions import ApplyPatch, LabelPod, RevertPatch
+from graft.rollout.decision import ClearPromote, ClearResume, Decision, SetWeight
+from graft.rollout.loop import run_now, tick
+from graft.rollout.machine import known_revision
 from graft.rollout.observation import Controls, Measurement, Observation, PodError, PodObservation, Problem
 from graft.api import has_patch, with_patch, without_patch
 from graft.rollout.spec import RolloutSpec, parse_spec
@@ -115,22 +115,18 @@ class Fleet:
     def execute(self, d: Decision, answered: dict[str, str]) -> dict[str, PodError]:
         errors = {}
         for a in d.actions:
-            if isinstance(a, PatchPod):
+            if isinstance(a, ApplyPatch | RevertPatch):
                 pod = self.pods[a.pod]
-                self.posts[a.pod] = self.posts.get(a.pod, 0) + 1
+                count = self.posts if isinstance(a, ApplyPatch) else self.deletes
+                count[a.pod] = count.get(a.pod, 0) + 1
                 if pod.unreachable:
                     errors[a.pod] = PodError("unreachable", "connection refused")
-                elif pod.refuse is not None:
+                elif pod.refuse is not None and self._to_canary(a):
                     errors[a.pod] = pod.refuse
+                elif isinstance(a, ApplyPatch):
+                    pod.revision = answered[a.pod] = with_patch(pod.revision, a.patch.ref)
                 else:
-                    pod.revision = answered[a.pod] = with_patch(pod.revision, self.ref)
-            elif isinstance(a, UnpatchPod):
-                pod = self.pods[a.pod]
-                self.deletes[a.pod] = self.deletes.get(a.pod, 0) + 1
-                if pod.unreachable:
-                    errors[a.pod] = PodError("unreachable", "connection refused")
-                else:
-                    pod.revision = answered[a.pod] = without_patch(pod.revision, self.ref)
+                    pod.revision = answered[a.pod] = without_patch(pod.revision, a.name)
             elif isinstance(a, LabelPod):
                 self.pods[a.pod].track, self.pods[a.pod].patches = a.track, a.revision
             elif isinstance(a, SetWeight):
@@ -141,21 +137,20 @@ class Fleet:
                 self.resume = False
         return errors
 
+    def _to_canary(self, a: ApplyPatch | RevertPatch) -> bool:
+        """The call that brings a pod to the canary form (what a refusing engine refuses)."""
+        if self.spec.action == "revert":
+            return isinstance(a, RevertPatch)
+        return isinstance(a, ApplyPatch) and a.patch.ref == self.ref
+
     def tick(self, status: RolloutStatus, now: float,
              measurements: list[Measurement] | None = None) -> RolloutStatus:
-        """One operator tick: decide, act, decide again until nothing is left to do (at most the
-        rounds the operator and `graft rollout simulate` allow). The measurements are the test's own,
-        given to the first decision; engine errors from acting are seen by the next one."""
-        errors: dict[str, PodError] = {}
-        answered: dict[str, str] = {}
-        for _ in range(MAX_ROUNDS):
-            d = decide(self.spec, status, self.observe(status, errors, measurements, answered), now)
-            status, measurements = d.status, None
-            self.events += d.events
-            if not d.actions:
-                break
-            errors.update(self.execute(d, answered))
-        return status
+        """One operator tick through the operator's own loop (`graft.rollout.loop.tick`): decide, act,
+        decide again until nothing is left to do. The measurements are the test's own, given to the
+        first decision; engine errors from acting are seen by the next one."""
+        done = run_now(tick(self.spec, status, now, _Effects(self), measurements))
+        self.events += done.events
+        return done.status
 
     def reasons(self) -> list[str]:
         return [e.reason for e in self.events]
@@ -164,6 +159,22 @@ class Fleet:
         """A person edits spec.paused (`graft rollout pause|resume`): a new generation."""
         self.spec = dataclasses.replace(self.spec, paused=paused)
         self.generation += 1
+
+
+class _Effects:
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+        self.errors: dict[str, PodError] = {}
+        self.answered: dict[str, str] = {}
+
+    async def observe(self, status, measurements):
+        return self.fleet.observe(status, self.errors, measurements, self.answered)
+
+    async def start(self, status):
+        return True
+
+    async def execute(self, status, actions):
+        self.errors.update(self.fleet.execute(Decision(status, actions), self.answered))
 
 
 def _passing(check, requests: float) -> dict[str, float]:

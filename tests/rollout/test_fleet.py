@@ -12,8 +12,8 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graft.rollout.fleet import (ApplyPatch, FleetPod, MarkPod, RevertPatch, SetPatched, converge,
-                                 desired_revision, with_promoted)
+from graft.rollout.actions import ApplyPatch, LabelPod, RevertPatch, SetPatched
+from graft.rollout.fleet import FleetPod, converge, desired_revision, rollout_labels, with_promoted
 from graft.api import BASE, FINAL_PHASES, has_patch, patches_of, revision_of
 from graft.rollout.spec import PatchSource, PatchSpec
 from graft.rollout.status import RolloutStatus
@@ -29,7 +29,7 @@ def pod(name, revision="base", **kw):
 
 def test_a_new_pod_is_annotated_first_then_patched_one_step_at_a_time_then_let_in():
     plan = converge([KV, SYNC], [pod("new", patches=None, track=None, patched=None)])
-    assert plan.actions[0] == MarkPod("new", "stable", "kv-align@3.2.1,sync-free@3.2.1")
+    assert plan.actions[0] == LabelPod("new", "stable", "kv-align@3.2.1,sync-free@3.2.1")
     assert plan.actions[1] == ApplyPatch("new", KV)
     assert "new" in plan.pending and not plan.converged
     assert not any(isinstance(a, SetPatched) and a.value for a in plan.actions)
@@ -39,19 +39,33 @@ def test_a_new_pod_is_annotated_first_then_patched_one_step_at_a_time_then_let_i
 
 def test_a_patch_the_fleet_does_not_hold_is_reverted_and_an_old_version_replaced():
     plan = converge([PatchSpec("kv-align", "3.2.2", PatchSource(builtin=True))], [pod("a", "fault@1,kv-align@3.2.1")])
-    assert plan.actions[-1] == ApplyPatch("a", PatchSpec("kv-align", "3.2.2", PatchSource(builtin=True)))
+    assert plan.actions[-1] == ApplyPatch("a", PatchSpec("kv-align", "3.2.2", PatchSource(builtin=True)), replace=True)
     plan = converge([PatchSpec("kv-align", "3.2.2", PatchSource(builtin=True))], [pod("a", "fault@1,kv-align@3.2.2")])
     assert plan.actions[-1] == RevertPatch("a", "fault")
 
 
-def test_an_active_rollout_keeps_its_patch_and_its_ready_pods():
-    # a Ready canary runs the rollout's patch: the fleet touches neither it nor its label
-    plan = converge([KV], [pod("canary", "kv-align@3.2.1,sync-free@3.2.1", track="canary", patched=True)],
-                    rollout_patch="sync-free")
-    assert not any(isinstance(a, (MarkPod, RevertPatch)) for a in plan.actions)
-    # a pod that is not Ready yet (held by its gate) joins on the fleet's revision, without the rollout's patch
-    plan = converge([KV], [pod("new", patches=None, track=None, ready=False)], rollout_patch="sync-free")
-    assert plan.actions[0] == MarkPod("new", "stable", "kv-align@3.2.1")
+def test_an_active_rollout_keeps_its_patch_and_the_labels_of_its_pods():
+    # a canary runs the rollout's patch: the fleet touches neither it nor its label, Ready or not
+    for ready in (True, False):
+        canary = pod("canary", "kv-align@3.2.1,sync-free@3.2.1", track="canary", patched=True, ready=ready)
+        plan = converge([KV], [canary], rollout_patch="sync-free", rollout_pods={"canary"})
+        assert not any(isinstance(a, (LabelPod, RevertPatch)) for a in plan.actions)
+    # a pod the rollout does not record yet (held by its gate) joins on the fleet's revision, without
+    # the rollout's patch
+    plan = converge([KV], [pod("new", patches=None, track=None, ready=False)], rollout_patch="sync-free",
+                    rollout_pods={"canary"})
+    assert plan.actions[0] == LabelPod("new", "stable", "kv-align@3.2.1")
+
+
+def test_one_writer_of_a_pods_labels_at_a_time():
+    ready, starting = FleetPod("a", ready=True), FleetPod("b", ready=False)
+    for phase in ("Progressing", "Paused", "RollingBack"):     # a running rollout: every pod it records
+        assert rollout_labels(phase, ["a", "b"], [ready, starting]) == {"a", "b"}
+        assert rollout_labels(phase, ["a"], [ready, starting]) == {"a"}
+    # a rollout starting on the fleet's selector labels the Ready pods in the tick it starts
+    assert rollout_labels("Pending", [], [ready, starting]) == {"a"}
+    for phase in ("Promoted", "RolledBack", "Failed"):         # a finished one: none
+        assert rollout_labels(phase, ["a", "b"], [ready, starting]) == frozenset()
 
 
 BUNDLE = PatchSpec("short-first", "1.0.0", PatchSource(builtin=False, config_map="short-first", key="bundle.py",
@@ -72,9 +86,9 @@ def test_an_awaited_entry_the_fleet_does_not_hold_is_reverted_so_the_engine_stop
     # a canary of a bundle rollout restarted, and the fleet (which never promoted it) takes it back
     waiting = pod("c", "base", patches="short-first@1.0.0", track="canary", ready=False,
                   awaiting=("short-first@1.0.0",))
-    plan = converge([], [waiting], rollout_patch="short-first")
-    assert plan.actions[0] == MarkPod("c", "stable", "base")
+    plan = converge([], [waiting], rollout_patch="short-first", rollout_pods={"c"})
     assert RevertPatch("c", "short-first") in plan.actions
+    assert not any(isinstance(a, LabelPod) for a in plan.actions), "its label stays the rollout's"
     # once the engine stopped waiting, the pod is converged at base
     done = converge([], [pod("c", "base", ready=False)], rollout_patch="short-first")
     assert done.converged == ["c"]
@@ -93,7 +107,7 @@ def test_the_right_version_with_another_config_is_swapped_for_the_fleets():
     # a restart brought it back with its defaults: GRAFT_PATCHES names versions, not configs
     restarted = pod("a", "fault@1", configs={"fault": config_digest({})}, patched=True)
     plan = converge([noisy], [restarted])
-    assert ApplyPatch("a", noisy) in plan.actions and "a" in plan.pending
+    assert ApplyPatch("a", noisy, replace=True) in plan.actions and "a" in plan.pending
     right = pod("a", "fault@1", configs={"fault": config_digest({"errorRate": 0.5})}, patched=True)
     assert converge([noisy], [right]).converged == ["a"]
     # an engine that reports no config digest is taken at its revision
@@ -142,10 +156,12 @@ class World:
         active = self.status.phase not in FINAL_PHASES and self.status.phase != "Pending"
         pods = [FleetPod(p.name, running=p.ready, ready=p.ready, track=p.track, patches=p.patches,
                          revision=p.revision if p.ready else None) for p in self.fleet.pods.values()]
-        plan = converge(self.patches, pods, rollout_patch=self.spec.patch.name if active else None)
+        owned = rollout_labels(self.status.phase, [r.name for r in self.status.pods], pods) if active else ()
+        plan = converge(self.patches, pods, rollout_patch=self.spec.patch.name if active else None,
+                        rollout_pods=owned)
         for a in plan.actions:
             p = self.fleet.pods[a.pod]
-            if isinstance(a, MarkPod):
+            if isinstance(a, LabelPod):
                 p.track, p.patches = a.track, a.revision
             elif isinstance(a, ApplyPatch):
                 p.revision = revision_of([r for r in patches_of(p.revision) if r.partition("@")[0] != a.patch.name]
@@ -286,7 +302,27 @@ def test_the_right_version_from_other_code_is_swapped_for_the_fleets():
     bundle = PatchSpec("short-first", "1.0.0", PatchSource(builtin=False, config_map="b", key="bundle.py",
                                                          digest=pinned))
     other = pod("a", "short-first@1.0.0", digests={"short-first": "sha256:" + "2" * 64}, patched=True)
-    assert ApplyPatch("a", bundle) in converge([bundle], [other]).actions
+    assert ApplyPatch("a", bundle, replace=True) in converge([bundle], [other]).actions
     same = pod("a", "short-first@1.0.0", digests={"short-first": pinned.upper().replace("SHA256", "sha256")},
                patched=True)
     assert converge([bundle], [same]).converged == ["a"]
+
+
+def test_a_canary_that_is_not_ready_is_labelled_by_one_controller_only():
+    # both controllers tick over a canary whose engine is not Ready: the rollout keeps it a canary
+    # (it may come back, and rejoins as one), and the fleet controller leaves its label to the rollout
+    w = World(3, False, None)
+    w.spec = dataclasses.replace(w.spec, steps=(dataclasses.replace(w.spec.steps[0], pause=600.0),) + w.spec.steps[1:])
+    w.fleet.spec = w.spec
+    while not any(p.track == "canary" for p in w.fleet.pods.values()):
+        w.tick()
+    canary = next(p for p in w.fleet.pods.values() if p.track == "canary")
+    canary.ready = False
+    seen = []
+    for _ in range(20):
+        w.rollout_tick()
+        seen.append((canary.track, canary.patches))
+        w.fleet_tick()
+        seen.append((canary.track, canary.patches))
+        w.now += 1.0
+    assert set(seen) == {("canary", "kv-align@3.2.1")}

@@ -2,7 +2,8 @@
 import pytest
 from scipy.stats import binom
 
-from graft.rollout.decision import ClearResume, PatchPod
+from graft.rollout.actions import ApplyPatch
+from graft.rollout.decision import ClearResume
 from graft.rollout.machine import analysis_due, canary_target, decide
 from graft.rollout.observation import PodError, Problem
 from graft.rollout.status import RolloutStatus
@@ -593,7 +594,7 @@ def test_gateway_route_follows_pods_and_returns_to_stable_first_on_rollback():
     assert "HTTPRoute llm sends 1% to llm-canary" in [e.message for e in fleet.events if e.reason == "WeightSet"][0]
     d = decide(spec, status, fleet.observe(status, {}, breaching(spec, "latency-p99")), 5)
     kinds = [type(a).__name__ for a in d.actions]
-    assert kinds.index("SetWeight") < kinds.index("UnpatchPod"), "traffic leaves the canary before the revert"
+    assert kinds.index("SetWeight") < kinds.index("RevertPatch"), "traffic leaves the canary before the revert"
 
 
 def test_gateway_promotion_moves_everything_to_stable():
@@ -680,7 +681,7 @@ def test_actions_only_touch_ready_pods(spec):
     status = fleet.tick(RolloutStatus(), 0)
     assert fleet.patched() == {"pod-1"}
     d = decide(spec, status, fleet.observe(status, {}, None), 1)
-    assert not [a for a in d.actions if isinstance(a, PatchPod)]
+    assert not [a for a in d.actions if isinstance(a, ApplyPatch)]
 
 
 def test_a_run_from_the_tick_that_put_a_step_in_place_does_not_count_for_it(spec):

@@ -3,9 +3,9 @@ here fails on a deliberate break of graft/rollout/machine.py or graft/rollout/fl
 comparison, a dropped statement) that the rest of the suite let through."""
 import pytest
 
-from graft.rollout.decision import ClearPromote, PatchPod, RecordPromotion, UnpatchPod
-from graft.rollout.fleet import (ApplyPatch, FleetPod, MarkPod, RevertPatch, SetPatched, adopt, converge,
-                                 without)
+from graft.rollout.actions import ApplyPatch, LabelPod, RevertPatch, SetPatched
+from graft.rollout.decision import ClearPromote, RecordPromotion
+from graft.rollout.fleet import FleetPod, adopt, converge, without
 from graft.rollout.machine import canary_target, decide, stable_of
 from graft.rollout.observation import PodError
 from graft.rollout.spec import PatchSource, PatchSpec
@@ -147,9 +147,9 @@ def test_a_rollback_drops_what_the_same_tick_planned_for_the_next_step(spec):
                                                               "consecutive": 1}]})
     d = decide(one, status, fleet.observe(status, {}, breaching(one, "error-rate")), 5)
     assert d.status.phase == "RollingBack"       # ... but the same run rolls back
-    assert not [a for a in d.actions if isinstance(a, PatchPod)]
+    assert not [a for a in d.actions if isinstance(a, ApplyPatch)]
     assert ClearPromote() in d.actions, "the promote control is still consumed"
-    assert [a.pod for a in d.actions if isinstance(a, UnpatchPod)] == ["pod-0"]
+    assert [a.pod for a in d.actions if isinstance(a, RevertPatch)] == ["pod-0"]
 
 
 # the fleet controller
@@ -161,7 +161,7 @@ def pod(name, revision="base", **kw):
 @pytest.mark.parametrize("changes", [{"track": "canary"}, {"patches": "base"}])
 def test_a_pod_is_relabelled_when_either_its_track_or_its_annotation_is_off(changes):
     plan = converge([KV], [pod("p", "kv-align@3.2.1", patched=True, **changes)])
-    assert plan.actions == [MarkPod("p", "stable", "kv-align@3.2.1")]
+    assert plan.actions == [LabelPod("p", "stable", "kv-align@3.2.1")]
 
 
 def test_pods_that_cannot_be_asked_are_pending_with_the_reason():
@@ -175,7 +175,7 @@ def test_pods_that_cannot_be_asked_are_pending_with_the_reason():
 def test_a_patched_pod_that_must_change_is_let_out_first():
     plan = converge([KV], [pod("p", "sync-free@3.2.1", patches="kv-align@3.2.1", patched=True)])
     assert SetPatched("p", False, "converging to kv-align@3.2.1") in plan.actions
-    assert ApplyPatch("p", KV) in plan.actions
+    assert ApplyPatch("p", KV, replace=False) in plan.actions, "no version of kv-align runs there to replace"
 
 
 @pytest.mark.parametrize("patched", [False, None])
@@ -328,7 +328,7 @@ def test_a_refusal_turns_every_pod_stable_in_the_same_decision(spec):
     d = decide(spec, status, fleet.observe(status, refused, None), 11)
     assert (d.status.phase, d.status.reason) == ("RollingBack", "PatchConflict")
     assert {p.track for p in d.status.pods} == {"stable"}
-    assert not [a for a in d.actions if isinstance(a, PatchPod)]
+    assert not [a for a in d.actions if isinstance(a, ApplyPatch)]
 
 
 def test_a_step_with_no_ready_pod_never_advances(spec):
@@ -364,7 +364,7 @@ def test_a_pod_outside_the_rollouts_hands_keeps_the_rollouts_patch_in_its_annota
     # the rollout decides about its own patch, so the annotation keeps what the engine runs of it
     held = pod("p", "kv-align@3.2.1", patches="base", ready=False, patched=False)
     plan = converge([SYNC], [held], rollout_patch="kv-align")
-    assert plan.actions[0] == MarkPod("p", "stable", "kv-align@3.2.1,sync-free@3.2.1")
+    assert plan.actions[0] == LabelPod("p", "stable", "kv-align@3.2.1,sync-free@3.2.1")
     assert ApplyPatch("p", SYNC) in plan.actions and not [a for a in plan.actions if isinstance(a, RevertPatch)]
 
 
@@ -401,7 +401,6 @@ def test_a_promoted_rollout_is_at_weight_100(spec):
 
 
 def test_a_canary_that_is_not_ready_keeps_its_label_and_is_not_relabelled_again(spec):
-    from graft.rollout.decision import LabelPod
     fleet = Fleet.of(spec, 3)
     status = fleet.tick(RolloutStatus(), 0)
     fleet.pods["pod-0"].ready = False
@@ -435,7 +434,7 @@ def test_promote_step_at_the_last_step_starts_no_step_again():
 def test_an_upgrading_pods_annotation_keeps_the_version_it_runs():
     held = pod("p", "kv-align@3.2.2", patches="kv-align@3.2.1", ready=False, patched=False)
     plan = converge([KV], [held], rollout_patch="kv-align")
-    assert plan.actions[0] == MarkPod("p", "stable", "kv-align@3.2.2")
+    assert plan.actions[0] == LabelPod("p", "stable", "kv-align@3.2.2")
 
 
 @pytest.mark.parametrize("pods,weight,canaries", [(200, 51, 102), (1000, 11, 110), (101, 99, 100)])

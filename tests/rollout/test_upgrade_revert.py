@@ -1,36 +1,9 @@
 """Upgrading an applied patch (3.2.1 -> 3.2.2) and undoing a promoted one, through the same steps."""
 from __future__ import annotations
 
-from graft.rollout.decision import PatchPod, UnpatchPod
-from graft.api import FINAL_PHASES, with_patch, without_patch
+from graft.api import FINAL_PHASES
 from graft.rollout.status import RolloutStatus
 from tests.rollout.rollout_fleet import Fleet, breaching, healthy, make_spec
-
-
-class OperatorFleet(Fleet):
-    """The fake fleet, with PatchPod/UnpatchPod carried out as the operator does for each action."""
-
-    def execute(self, d, answered):
-        errors = {}
-        status = d.status
-        for a in d.actions:
-            pod = self.pods.get(getattr(a, "pod", ""), None)
-            if isinstance(a, PatchPod):
-                pod.revision = answered[a.pod] = (without_patch(pod.revision, self.ref) if self.spec.action == "revert"
-                                                  else with_patch(pod.revision, self.ref))
-                self.posts[a.pod] = self.posts.get(a.pod, 0) + 1
-            elif isinstance(a, UnpatchPod):
-                if self.spec.action == "revert":
-                    pod.revision = with_patch(pod.revision, self.ref)
-                elif status.stable_patch:
-                    pod.revision = with_patch(pod.revision, status.stable_patch)
-                else:
-                    pod.revision = without_patch(pod.revision, self.ref)
-                answered[a.pod] = pod.revision
-        rest = [a for a in d.actions if not isinstance(a, PatchPod | UnpatchPod)]
-        d.actions[:] = rest
-        errors.update(super().execute(d, answered))
-        return errors
 
 
 def run(spec, fleet, fail=False, limit=300):
@@ -46,7 +19,7 @@ def run(spec, fleet, fail=False, limit=300):
 
 
 def fleet_of(spec, revisions):
-    fleet = OperatorFleet(spec)
+    fleet = Fleet(spec)
     for i, r in enumerate(revisions):
         fleet.add(f"pod-{i}", r)
     return fleet
