@@ -30,6 +30,7 @@ from pydantic import BaseModel, create_model
 from graft.api import patch_ref
 from graft.rollout import queries
 from graft.rollout.durations import parse_duration
+from graft.rollout.hooks import Hook, HookType
 from graft.rollout.models import analysistemplate as template_model
 from graft.rollout.models import common, patchfleet, patchrollout as model
 from graft.rollout.models.base import (DIGEST_PATTERN, DURATION_PATTERN, K8S_NAME_PATTERN, METRIC_NAME_PATTERN,
@@ -285,9 +286,13 @@ class RolloutSpec:
     paused: bool = False
     action: str = APPLY                # apply the patch, or revert it, step by step
     ttl_seconds_after_finished: int | None = None   # deleted this long after it finished (None: kept)
+    hooks: tuple[Hook, ...] = ()       # spec.webhooks (graft.rollout.hooks)
 
     def step(self, index: int) -> Step:
         return self.steps[min(index, len(self.steps) - 1)]
+
+    def hooks_of(self, kind: HookType) -> tuple[Hook, ...]:
+        return tuple(h for h in self.hooks if h.type == kind)
 
 
 
@@ -347,8 +352,27 @@ def parse_spec(spec: Mapping[str, Any], templates: Templates | None = None) -> R
         r.fail("spec.progressDeadline", "must be longer than zero")
     if r.errors:
         raise SpecError(_distinct(r.errors))
+    hooks = _hooks(r, m.webhooks or [])
+    if r.errors:
+        raise SpecError(_distinct(r.errors))
     return RolloutSpec(selector_of(m.selector), _patch(m.patch), _routing(m.traffic_routing), _steps(m.steps),
-                       analysis, deadline, m.paused, m.action, m.ttl_seconds_after_finished)
+                       analysis, deadline, m.paused, m.action, m.ttl_seconds_after_finished, hooks)
+
+
+MAX_HOOK_TIMEOUT = 60.0
+
+
+def _hooks(r: "_Errors", webhooks: list[model.Webhook]) -> tuple[Hook, ...]:
+    """spec.webhooks as graft.rollout.hooks takes them; a timeout is more than zero and at most a minute
+    (a gate is awaited inside its rollout's reconciliation)."""
+    out = []
+    for i, w in enumerate(webhooks):
+        timeout = parse_duration(w.timeout)
+        if not 0 < timeout <= MAX_HOOK_TIMEOUT:
+            r.fail(f"spec.webhooks[{i}].timeout", f"must be more than 0s and at most {MAX_HOOK_TIMEOUT:g}s")
+            continue
+        out.append(Hook(w.name, HookType(w.type), w.url, timeout, w.retries, dict(w.metadata or {})))
+    return tuple(out)
 
 
 def _distinct(errors: list[FieldError]) -> list[FieldError]:

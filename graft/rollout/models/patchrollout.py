@@ -9,7 +9,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, Field, PlainSerializer, StringConstraints, WithJsonSchema, field_validator
 
 from graft.api import Phase
-from graft.rollout.models.base import (DURATION_PATTERN, HEADER_NAME_PATTERN, MAX_DURATION, URL_PATTERN, ApiModel, Cel,
+from graft.rollout.models.base import (DURATION_PATTERN, HEADER_NAME_PATTERN, MAX_DURATION, METRIC_NAME_PATTERN,
+                                       URL_PATTERN, ApiModel, Cel,
                                        Column, DataKey, Duration, K8sName, Kind, OrNone, PatchName, PatchVersion, Says,
                                        StatusModel, Time, cel, described, refuse)
 from graft.rollout.models.common import (CONDITIONS_LIST, LIST_MAP_NAME, ArgList, BreakerList, Builtin, Condition,
@@ -263,6 +264,48 @@ class Analysis(ApiModel):
         "shows them; 0: none, the latest run stays in status.analysis).", default=DEFAULT_MEASUREMENT_RETENTION)
 
 
+# -- webhooks and notifications ----------------------------------------------------------------------
+
+HOOK_TYPES = ("confirm-rollout", "pre-rollout", "rollout", "confirm-promotion", "post-rollout", "rollback", "event")
+MOMENTS = ("started", "step", "paused", "promoted", "rolledBack", "failed")
+MAX_WEBHOOKS = 16
+HookName = Annotated[str, StringConstraints(max_length=63, pattern=METRIC_NAME_PATTERN)]
+
+
+class Webhook(ApiModel):
+    """An HTTP endpoint the rollout POSTs its payload to at one of its turning points (docs/architecture.md,
+    "Notifications and webhooks")."""
+
+    name: HookName = described("The hook's name (a rollout hook's answers are the check webhook/NAME).")
+    type: Literal[HOOK_TYPES] = described(
+        "When it is called and what its answer means. Awaited gates: confirm-rollout (the rollout waits, touching "
+        "no pod, while it answers non-2xx), pre-rollout (non-2xx fails the rollout before any pod is touched), "
+        "rollout (at every analysis run; non-2xx is a failed check), confirm-promotion (a manual step, and the "
+        "last step, wait while it answers non-2xx; a 2xx approves a manual step). Fired, not awaited: "
+        "post-rollout (the rollout ended), rollback (a rollback began), event (every Event).",
+        json_schema_extra={"type": "string"})
+    url: Annotated[str, StringConstraints(max_length=2048, pattern=URL_PATTERN)] = described(
+        "The URL to POST to (http or https).")
+    timeout: Duration = described("How long one call may take: more than 0s, at most 60s (a gate is awaited).",
+                                  default="10s")
+    retries: Annotated[int, Field(ge=0, le=5)] = described(
+        "Tries after the first when the call fails to connect, times out or answers 408, 429 or 5xx (a 4xx is an "
+        "answer).", default=2)
+    metadata: Annotated[dict[str, Annotated[str, StringConstraints(max_length=1024)]],
+                        Field(max_length=16)] | None = described(
+        "Key-value pairs sent with every call, in the body's metadata.", default=None)
+
+
+class NotificationRule(ApiModel):
+    """One of the operator's notification receivers (the chart's notifications.receivers) and what it hears."""
+
+    receiver: HookName = described("The receiver's name, as the chart's notifications.receivers names it.")
+    moments: Annotated[list[Literal[MOMENTS]], Field(max_length=len(MOMENTS))] | None = described(
+        "Which moments it is told of: started, step, paused, promoted, rolledBack, failed (default: the "
+        "receiver's own, as the chart sets them).", default=None,
+        json_schema_extra={"items": {"type": "string", "enum": list(MOMENTS)}})
+
+
 class PatchRolloutSpec(ApiModel):
     """What to roll out, to which pods, in which steps, judged how."""
 
@@ -286,10 +329,27 @@ class PatchRolloutSpec(ApiModel):
         "applied patch out of the fleet, through the same steps and checks.", default="apply",
         json_schema_extra={"type": "string", **cel(Cel(IMMUTABLE, "is immutable: create a new PatchRollout to undo "
                                                                   "a patch"))})
+    webhooks: Annotated[list[Webhook], Field(max_length=MAX_WEBHOOKS, json_schema_extra=LIST_MAP_NAME)] | None = \
+        described("HTTP endpoints called at the rollout's turning points: gates that confirm or refuse, and hooks "
+                  "told what happened.", default=None)
+    notifications: Annotated[list[NotificationRule], Field(max_length=16, json_schema_extra={
+            "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["receiver"]})] | None = described(
+        "Which of the operator's notification receivers hear of this rollout, and of what; when absent, every "
+        "receiver with its own moments; an empty list: none.", default=None)
     ttl_seconds_after_finished: Annotated[int, Field(ge=0)] | None = described(
         "Seconds after the rollout finishes (Promoted, RolledBack or Failed; not a spec refused as invalid, which "
         "waits to be fixed) before the operator deletes it. 0: as soon as it finishes. Unset: kept, up to its "
         "PatchFleet's revisionHistoryLimit.", default=None)
+
+    def rules(self) -> None:
+        # list-map keys: the API server refuses a key twice (x-kubernetes-list-type: map)
+        for field, items, key in (("webhooks", self.webhooks, "name"), ("notifications", self.notifications, "receiver")):
+            seen: set[str] = set()
+            for i, item in enumerate(items or ()):
+                value = getattr(item, key)
+                if value in seen:
+                    raise refuse(f"duplicate {key} {value!r}", at=f"{field}[{i}].{key}")
+                seen.add(value)
 
 
 # -- status ----------------------------------------------------------------------------------------
