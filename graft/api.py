@@ -114,6 +114,12 @@ class Reason(StrEnum):
     PAUSE_ENDED = "PauseEnded", "a pause ended by the user (graft.dev/resume)", NORMAL
     AWAITING_APPROVAL = "AwaitingApproval", "a manual step passed its analysis and waits for a person", NORMAL
     APPROVED = "Approved", "a person approved a manual step (graft.dev/promote)", NORMAL
+    AWAITING_CONFIRMATION = ("AwaitingConfirmation",
+                             "a confirm-rollout or confirm-promotion webhook has not answered 2xx: the rollout waits",
+                             NORMAL)
+    CONFIRMED = "Confirmed", "the confirm-promotion webhooks answered 2xx: the step goes on", NORMAL
+    PRE_ROLLOUT_FAILED = "PreRolloutFailed", "a pre-rollout webhook failed: the rollout ends before any pod is touched", \
+        WARNING
     PROMOTED_BY_USER = "PromotedByUser", "a person promoted a step or the whole rollout (graft.dev/promote)", NORMAL
     INVALID_CONTROL = "InvalidControl", "an annotation control has a value it cannot take", WARNING
     ABORTED = "Aborted", "aborted by the user (graft.dev/abort)", WARNING

@@ -163,7 +163,7 @@ class Notifier:
         when = datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
         for moment in happened:
             event = why(moment, events)
-            body = payload(rollout, after, moment, reason=event.reason if event else "",
+            body = payload(rollout, after, moment, reason=event.reason if event else None,
                            message=event.message if event else "", event_type=event.type if event else "",
                            now=when)
             for receiver, moments_wanted in self.wanted(rollout):

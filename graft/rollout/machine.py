@@ -26,11 +26,12 @@ from graft.rollout import analysis as judge
 from graft.rollout.actions import LabelPod, PodAction, RevertPatch, apply_patch
 from graft.rollout.decision import ClearPromote, ClearResume, Decision, Event, RecordPromotion, SetWeight
 from graft.rollout.durations import format_duration
+from graft.rollout.hooks import Hook, HookType
 from graft.rollout.observation import PERMANENT_ERRORS, VERIFY_FAILED, Observation, PodObservation
 from graft.api import FINAL_PHASES, Reason, has_patch, patches_of, with_patch, without_patch
 from graft.rollout.spec import REVERT, PatchSource, PatchSpec, RolloutSpec
 from graft.rollout.status import (CANARY, FAILED, PAUSED, PENDING, PROGRESSING, PROMOTED,
-                                  ROLLED_BACK, ROLLING_BACK, STABLE, PodRecord, RolloutStatus, to_time)
+                                  ROLLED_BACK, ROLLING_BACK, STABLE, CheckResult, PodRecord, RolloutStatus, to_time)
 
 WARNING = "Warning"
 # reasons for a pause the analysis asked for (a person resumes or aborts)
@@ -362,7 +363,7 @@ class _Machine:
             return
         if self.pod_failure():
             return
-        if status.awaiting_approval_since is not None and not spec.step(status.step_index).until_approved:
+        if status.awaiting_approval_since is not None and not any(self.gate()):
             status.awaiting_approval_since = None     # the step no longer asks for approval (spec edited)
         self.pause_or_resume()
         if obs.controls.promote is not None:
@@ -497,21 +498,43 @@ class _Machine:
                   and analysis.verdict == judge.SUCCESSFUL)
         return paused_enough and passed
 
+    def gate(self) -> tuple[bool, tuple[Hook, ...]]:
+        """What the current step waits for once its pause and analysis are done: a person (a manual
+        step), and the confirm-promotion webhooks (at a manual step, and before the last step)."""
+        status, spec = self.status, self.spec
+        if status.full_promotion:
+            return False, ()
+        manual = spec.step(status.step_index).until_approved
+        hooks = spec.hooks_of(HookType.CONFIRM_PROMOTION) if manual or status.step_index + 2 == len(spec.steps) else ()
+        return manual, hooks
+
+    def confirmed(self, hooks: tuple[Hook, ...]) -> bool:
+        return bool(hooks) and all((a := self.obs.hooks.get(h.name)) is not None and a.ok for h in hooks)
+
     def approved(self) -> bool:
         """The step's pause and analysis are done: True when it may go on. A manual step goes on once
-        approved; until then it waits (one AwaitingApproval Event when the wait starts). A promote that
-        came before the analysis passed, kept since, approves it now."""
+        approved (by a person, or by its confirm-promotion webhooks answering 2xx); a step before the
+        last goes on once its confirm-promotion webhooks answer 2xx; until then it waits (one Event
+        when the wait starts). A promote that came before the analysis passed, kept since, approves
+        it now."""
         status = self.status
-        if not self.spec.step(status.step_index).until_approved or status.full_promotion:
+        manual, hooks = self.gate()
+        if not manual and not hooks:
             return True
-        if self.obs.controls.promote == "step" and not self.promote_used:
+        if manual and self.obs.controls.promote == "step" and not self.promote_used:
             self.actions.append(ClearPromote())
             self.promote_used = True
             self.approve()
             return True
+        if self.confirmed(hooks):
+            since = status.awaiting_approval_since
+            self.event(Reason.CONFIRMED, f"{self.step_label} confirmed by webhook {', '.join(h.name for h in hooks)}"
+                       + (f" after waiting {about(self.now - since)}" if since is not None else ""))
+            status.awaiting_approval_since = None
+            return True
         if status.awaiting_approval_since is None:
             status.awaiting_approval_since = self.now
-            self.event(Reason.AWAITING_APPROVAL, self.approval_message())
+            self.event(Reason.AWAITING_APPROVAL if manual else Reason.AWAITING_CONFIRMATION, self.approval_message())
         return False
 
     def approve(self) -> None:
@@ -527,8 +550,16 @@ class _Machine:
     def approval_message(self) -> str:
         status = self.status
         step = self.spec.step(status.step_index)
-        message = f"{self.step_label} at {step.weight}%: waiting for approval: " \
-                  f"{f'graft rollout promote {self.obs.name}' if self.obs.name else 'graft rollout promote'}"
+        manual, hooks = self.gate()
+        asked = []
+        if manual:
+            asked.append(f"graft rollout promote {self.obs.name}" if self.obs.name else "graft rollout promote")
+        for h in hooks:
+            answer = self.obs.hooks.get(h.name)
+            said = "not asked yet" if answer is None else ("answered 2xx" if answer.ok else answer.message)
+            asked.append(f"webhook {h.name} ({said})")
+        what = "approval" if manual else "confirmation"
+        message = f"{self.step_label} at {step.weight}%: waiting for {what}: {' or '.join(asked)}"
         verdict = status.analysis.verdict
         if verdict is not None and verdict != judge.SUCCESSFUL:
             message += f" (the analysis passed; its latest run is {verdict})"
@@ -546,13 +577,18 @@ class _Machine:
         before = status.analysis.verdict
         verdict, results = judge.run(analysis_spec, self.obs.measurements, status.analysis.results,
                                      stable_pods=stable_pods, final_evidence=self.final_evidence())
+        hooks = self.hook_results()
+        results = results + hooks
+        if any(h.verdict == judge.FAILED for h in hooks):
+            verdict = judge.FAILED
         status.analysis.last_run, status.analysis.verdict, status.analysis.results = self.now, verdict, results
         status.record_analysis(analysis_spec.measurement_retention)
         for r in results:
             if r.verdict == judge.FAILED and (r.role == "breaker" or r.conclusive):
                 self.event(Reason.ANALYSIS_FAILED, f"{r.role} {r.message}", WARNING)
         if verdict == judge.FAILED:
-            blamed = "; ".join(f"{r.role} {r.message}" for r in judge.failing(analysis_spec, results))
+            blamed = "; ".join([f"{r.role} {r.message}" for r in judge.failing(analysis_spec, results)]
+                               + [f"{r.role} {r.message}" for r in hooks if r.verdict == judge.FAILED])
             self.rollback(Reason.ANALYSIS_FAILED, f"analysis failed at {self.step_label}: {blamed}", ROLLED_BACK)
             return True
         outage = self.outage(verdict, results)
@@ -583,6 +619,20 @@ class _Machine:
                                     f"the analysis held the step {status.analysis.inconclusive_runs} runs past its "
                                     f"pause (inconclusiveLimit {analysis_spec.inconclusive_limit}): {held}")
         return False
+
+    def hook_results(self) -> list[CheckResult]:
+        """The rollout webhooks' answers to this run, as checks named webhook/NAME: a non-2xx is a
+        failed breaker (the run fails and the rollout rolls back); a hook not asked is left out."""
+        out = []
+        for h in self.spec.hooks_of(HookType.ROLLOUT):
+            answer = self.obs.hooks.get(h.name)
+            if answer is None:
+                continue
+            out.append(CheckResult(h.check_name, judge.SUCCESSFUL if answer.ok else judge.FAILED, "2xx", "-",
+                                   breaches=0 if answer.ok else 1,
+                                   message=f"{h.check_name}: " + ("answered 2xx" if answer.ok else answer.message),
+                                   role="breaker"))
+        return out
 
     def outage(self, verdict: str, results: list) -> bool:
         """Track an outage of Prometheus (every failing query of a deciding check failed to reach it):
@@ -650,7 +700,9 @@ class _Machine:
             self.note(Reason.NO_PODS, f"{head}; {why}")
             return
         if status.awaiting_approval_since is not None:
-            status.reason, status.message = Reason.AWAITING_APPROVAL, self.approval_message()
+            manual, _ = self.gate()
+            status.reason = Reason.AWAITING_APPROVAL if manual else Reason.AWAITING_CONFIRMATION
+            status.message = self.approval_message()
             return
         if self.spec.step(status.step_index).until_approved and self.obs.controls.promote == "step" \
                 and not self.promote_used:

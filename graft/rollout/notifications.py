@@ -63,7 +63,7 @@ def moments(before: dict[str, Any] | None, after: dict[str, Any]) -> list[Moment
 
 
 def payload(rollout: dict[str, Any], status: dict[str, Any], moment: str, *,
-            reason: str = "", message: str = "", event_type: str = "", now: str = "") -> dict[str, Any]:
+            reason: str | None = None, message: str = "", event_type: str = "", now: str = "") -> dict[str, Any]:
     """The JSON body every receiver and webhook gets: who, what patch, where the rollout stands, and
     the last analysis in numbers. `rollout` is the PatchRollout object (metadata and spec)."""
     meta, spec = rollout.get("metadata") or {}, rollout.get("spec") or {}

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from graft.api import Reason
+from graft.rollout.hooks import HookAnswer
 from graft.rollout.spec import PatchSpec
 
 # Admin API answers, by how the rollout treats them.
@@ -112,6 +113,9 @@ class Observation:
     # the version an upgrade goes back to as the fleet records it (its source and config); None: a
     # built-in of status.stablePatch's version
     stable_patch: PatchSpec | None = None
+    # what the rollout's gate webhooks answered this tick, by hook name (graft.rollout.hooks); a gate
+    # not asked this tick has no entry
+    hooks: dict[str, HookAnswer] = field(default_factory=dict)
 
     def pod(self, name: str) -> PodObservation | None:
         return next((p for p in self.pods if p.name == name), None)

@@ -66,6 +66,7 @@ class Fleet:
     generation: int = 1
     name: str = ""                 # the rollout's name, as the operator hands it to `decide`
     promoted_by: str | None = None  # who set graft.dev/promote, as the object's managedFields tell
+    hooks: dict = field(default_factory=dict)   # gate webhooks' answers, by hook name, as the operator asks them
 
     @classmethod
     def of(cls, spec: RolloutSpec, n: int, gateway: bool = False) -> "Fleet":
@@ -110,7 +111,7 @@ class Fleet:
             pods.append(obs)
         return Observation(pods, measurements, self.route_weight,
                            Controls(self.promote, self.abort, self.resume, self.promoted_by),
-                           self.problem, self.created_at, self.generation, self.name)
+                           self.problem, self.created_at, self.generation, self.name, hooks=dict(self.hooks))
 
     def execute(self, d: Decision, answered: dict[str, str]) -> dict[str, PodError]:
         errors = {}
