@@ -159,4 +159,6 @@ def _involved(event: dict[str, Any]) -> tuple[str, str]:
 
 def _key(plural: str, obj: dict[str, Any]) -> str:
     meta = obj.get("metadata") or {}
-    return meta.get("uid") or meta.get("name", "") if plural == EVENTS else meta.get("name", "")
+    if plural == EVENTS:       # Events of one name may be recreated: their uid tells them apart
+        return meta.get("uid") or meta.get("name", "")
+    return meta.get("name", "")
