@@ -27,12 +27,14 @@ from graft.rollout import loop
 from graft.rollout.actions import PodAction
 from graft.rollout.analysis import plan_run
 from graft.rollout.decision import Action, ClearPromote, ClearResume, Event, RecordPromotion, SetWeight
-from graft.rollout.machine import analysis_due, known_revision
+from graft.rollout.hooks import HookAnswer, HookType
+from graft.rollout.machine import analysis_due, gates_due, known_revision
+from graft.rollout.notifications import payload as rollout_payload
 from graft.rollout.observation import (UNREACHABLE, Controls, Measurement, Observation, PodError,
                                        PodObservation, Problem)
 from graft.api import ACTIVE_PHASES, FINAL_PHASES, Reason, has_patch
 from graft.rollout.spec import REVERT, PatchSpec, RolloutSpec, SpecError, parse_fleet_spec, parse_spec, template_refs
-from graft.rollout.status import FAILED, PENDING, RolloutStatus, from_time
+from graft.rollout.status import FAILED, PENDING, ROLLED_BACK, ROLLING_BACK, RolloutStatus, from_time
 
 PROMOTE_ANNOTATION = "graft.dev/promote"
 RESUME_ANNOTATION = "graft.dev/resume"
@@ -70,7 +72,31 @@ async def reconcile(runtime: Runtime, body: dict[str, Any], now: float, *, abort
     if stored.phase in FINAL_PHASES:
         return Result(stored)
     status, events = await Reconciliation(runtime, spec, body, now, abort).run(stored)
-    return await _write(runtime, body, stored, Result(status, events))
+    result = await _write(runtime, body, stored, Result(status, events))
+    announce(runtime, body, spec, result, now)
+    return result
+
+
+def announce(runtime: Runtime, body: dict[str, Any], spec: RolloutSpec | None, result: Result, now: float) -> None:
+    """Tell what this reconciliation changed (written already): the notification receivers, and the
+    rollout's fired webhooks (post-rollout at its end, rollback when one begins, event for every
+    Event). Never waits: everything leaves through the outbox."""
+    before, after = body.get("status") or {}, result.status.to_dict()
+    runtime.notifier.publish(body, before, after, result.events, now)
+    if spec is None or not spec.hooks:
+        return
+    was, phase = before.get("phase"), after.get("phase")
+    fired = []
+    if phase != was and phase in (ROLLING_BACK, ROLLED_BACK) and was not in (ROLLING_BACK, ROLLED_BACK):
+        fired += [(h, "rollback") for h in spec.hooks_of(HookType.ROLLBACK)]
+    if phase != was and phase in FINAL_PHASES:
+        fired += [(h, phase) for h in spec.hooks_of(HookType.POST_ROLLOUT)]
+    for h, moment in fired:
+        runtime.hooks.fire(h, rollout_payload(body, after, moment))
+    for event in result.events:
+        for h in spec.hooks_of(HookType.EVENT):
+            runtime.hooks.fire(h, rollout_payload(body, after, "event", reason=event.reason, message=event.message,
+                                                  event_type=event.type))
 
 
 async def load_templates(runtime: Runtime, body: dict[str, Any]) -> dict[tuple[str, bool], dict[str, Any]]:
@@ -169,6 +195,9 @@ class Reconciliation:
         self.overlap = ""                        # why `start` found the rollout's pods shared with another fleet
         self.promote_done = False                # a promote control acts once, not once per round
         self.resume_done = False                 # and so does a resume
+        self.hook_answers: dict[str, HookAnswer] = {}   # what the gate webhooks said this tick
+        self.hold: tuple[str, str] | None = None        # why `start` held a Pending rollout (reason, message)
+        self.refused_start: HookAnswer | None = None    # a pre-rollout webhook that failed
         self.status = RolloutStatus()
 
     async def run(self, status: RolloutStatus) -> tuple[RolloutStatus, list[Event]]:
@@ -177,12 +206,22 @@ class Reconciliation:
             await self.wait_for_turn()
         due = self.refusal is None and analysis_due(self.spec, status, self.now)
         measurements = await self.measure(status) if due else None
+        await self.ask(gates_due(self.spec, status, self.now, due))
         done = await loop.tick(self.spec, status, self.now, self, measurements)
         if done.held:
-            # lost a race with a rollout over overlapping pods starting at the same moment: nothing
-            # is touched, and the next tick holds it as wait_for_turn would have
-            pending.reason, pending.message = Reason.FLEET_OVERLAP, self.overlap
-            return pending, []
+            if self.refused_start is not None:
+                # a pre-rollout webhook said no: the rollout ends before any pod is touched
+                a = self.refused_start
+                message = f"pre-rollout webhook {a.hook} failed: {a.message}; no pod was touched"
+                pending.phase, pending.reason, pending.message = FAILED, Reason.PRE_ROLLOUT_FAILED, message
+                pending.refresh_conditions(self.now)
+                return pending, [Event(Reason.PRE_ROLLOUT_FAILED, message, "Warning")]
+            # a confirm-rollout webhook did not say yes, or a race lost with a rollout over
+            # overlapping pods starting at the same moment: nothing is touched, the next tick asks again
+            reason, message = self.hold or (Reason.FLEET_OVERLAP, self.overlap)
+            events = [Event(reason, message)] if pending.reason != reason else []
+            pending.reason, pending.message = reason, message
+            return pending, events
         status = done.status
         try:
             if status.phase != PENDING and not status.fleet:
@@ -207,10 +246,14 @@ class Reconciliation:
         return out
 
     async def start(self, status: RolloutStatus) -> bool:
-        """Before a starting rollout touches a pod: record its fleet and store the status, so that the
-        fleet controller, seeing a pod run this rollout's patch, also sees this rollout active on the
-        fleet (and leaves that patch and the pods' labels to it) rather than reverting it as drift.
-        False when another fleet turned out to select some of its pods (`self.overlap` says which)."""
+        """Before a starting rollout touches a pod: its confirm-rollout webhooks must answer 2xx and its
+        pre-rollout webhooks succeed (`self.hold`, `self.refused_start` say otherwise); then record its
+        fleet and store the status, so that the fleet controller, seeing a pod run this rollout's patch,
+        also sees this rollout active on the fleet (and leaves that patch and the pods' labels to it)
+        rather than reverting it as drift. False when another fleet turned out to select some of its
+        pods (`self.overlap` says which)."""
+        if not await self.cleared_to_start(status):
+            return False
         try:
             if not status.fleet:
                 status.fleet = await find_or_create_fleet(self.runtime.kube, self.namespace, self.spec.selector,
@@ -221,6 +264,31 @@ class Reconciliation:
         await self.runtime.kube.merge_patch(rollout_path(self.namespace, self.name) + "/status",
                                             {"status": status.to_dict()})
         return True
+
+    async def cleared_to_start(self, status: RolloutStatus) -> bool:
+        body = rollout_payload(self.body, status.to_dict(), "started")
+        confirm = self.spec.hooks_of(HookType.CONFIRM_ROLLOUT)
+        answers = await asyncio.gather(*(self.runtime.hooks.ask(h, body) for h in confirm))
+        refused = [a for a in answers if not a.ok]
+        if refused:
+            said = "; ".join(f"webhook {a.hook} ({a.message})" for a in refused)
+            self.hold = (Reason.AWAITING_CONFIRMATION, f"waiting for confirmation to start: {said}")
+            return False
+        for h in self.spec.hooks_of(HookType.PRE_ROLLOUT):
+            answer = await self.runtime.hooks.ask(h, body)
+            if not answer.ok:
+                self.refused_start = answer
+                return False
+        return True
+
+    async def ask(self, hooks) -> None:
+        """Ask this tick's gate webhooks at once; their answers go to every observation of the tick."""
+        if not hooks:
+            return
+        body = self.body
+        answers = await asyncio.gather(*(self.runtime.hooks.ask(h, rollout_payload(body, body.get("status") or {},
+                                                                                    h.type.value)) for h in hooks))
+        self.hook_answers = {a.hook: a for a in answers}
 
     async def wait_for_turn(self) -> None:
         """One rollout per fleet at a time: a second one waits, Pending (Queued), for the first to end.
@@ -277,7 +345,7 @@ class Reconciliation:
         return Observation(observed, measurements, route_weight, controls, problem,
                            from_time(self.body["metadata"].get("creationTimestamp")) or self.now,
                            int(self.body["metadata"].get("generation") or 0), self.name,
-                           await self.stable_patch(status))
+                           await self.stable_patch(status), hooks=self.hook_answers)
 
     async def revision(self, status: RolloutStatus, pod: PodObservation, admin: AdminClient | None) -> None:
         pod.revision = self.answered.get(pod.name) or known_revision(status, pod)

@@ -3,6 +3,7 @@ one lock per rollout (so two reconciliations of one rollout never overlap), and 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -13,7 +14,10 @@ from graft.api import Reason
 from graft.adminapi import AdminClient
 from graft.operator.kube import Kube, KubeError, secret_path, secret_value
 from graft.operator.kubeconfig import load_credentials
+from graft.operator.hooks import HookCaller
 from graft.operator.metrics import OperatorMetrics
+from graft.operator.notify import Notifier, receivers_from_env
+from graft.operator.outbox import Outbox
 from graft.operator.problems import PrometheusRefused, SecretError, TokenError
 from graft.operator.prometheus import PrometheusProvider, address_allowed
 from graft.operator.revisions import RecordingAdmin, RevisionBook
@@ -43,6 +47,12 @@ class Runtime:
         self._reported: set[tuple[str, str]] = set()   # (object, pod uid) already reported as no engine
         self._providers: dict[tuple, PrometheusProvider] = {}
         self.metrics = OperatorMetrics()
+        # notifications and webhooks: gates are awaited by reconciliations, everything else leaves
+        # through the outbox in the background (graft.operator.notify, graft.operator.hooks)
+        self.outbox = Outbox()
+        self.hooks = HookCaller(self.outbox)
+        self.notifier = Notifier(receivers_from_env({**os.environ, "GRAFT_NOTIFICATIONS": settings.notifications or ""}),
+                                 self.outbox)
         self.closed = False
 
     # Kubernetes login, chosen by settings
@@ -169,6 +179,9 @@ class Runtime:
                 lock.release()
             except TimeoutError:
                 pass
+        await self.outbox.drain(5)        # what reconciliations just told, sent before the client goes
+        await self.outbox.aclose()
+        await self.hooks.aclose()
         await self._admin.aclose()
         for provider in self._providers.values():
             await provider.aclose()

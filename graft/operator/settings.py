@@ -133,6 +133,9 @@ class OperatorSettings:
                                        help="the port of the operator's own /metrics (0 or unset: not served)")
     peering: str | None = setting(None, env="GRAFT_PEERING",
                                   help="kopf peering name (several replicas); default: standalone")
+    notifications: str | None = setting(None, env="GRAFT_NOTIFICATIONS", flag=None,
+                                        help="notification receivers, a JSON list (graft.operator.notify; the chart "
+                                             "writes it, each URL in a variable filled from a Secret)")
 
     def __post_init__(self) -> None:
         for f in fields(self):

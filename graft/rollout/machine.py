@@ -93,6 +93,21 @@ def analysis_due(spec: RolloutSpec, status: RolloutStatus, now: float) -> bool:
     return last is None or now >= last + spec.analysis.interval
 
 
+def gates_due(spec: RolloutSpec, status: RolloutStatus, now: float, analysing: bool) -> tuple[Hook, ...]:
+    """The gate webhooks the operator asks this tick, before `decide()`: the rollout hooks with every
+    analysis run; the confirm-promotion hooks while a gated step (manual, or the one before the last)
+    waits, or once its pause is over (so its answer is there when the step is done)."""
+    out = spec.hooks_of(HookType.ROLLOUT) if analysing else ()
+    confirm = spec.hooks_of(HookType.CONFIRM_PROMOTION)
+    if confirm and status.phase == PROGRESSING and not status.full_promotion:
+        step = spec.step(status.step_index)
+        gated = step.until_approved or status.step_index + 2 == len(spec.steps)
+        paused = status.step_ready_at is not None and now >= status.step_ready_at + step.pause
+        if gated and (status.awaiting_approval_since is not None or paused):
+            out += confirm
+    return out
+
+
 def decide(spec: RolloutSpec, status: RolloutStatus, obs: Observation, now: float) -> Decision:
     """The next actions, events and status of one rollout."""
     machine = _Machine(spec, status.copy(), obs, now)
