@@ -103,3 +103,25 @@ async def test_a_failing_rollout_hook_rolls_back_and_calls_the_rollback_hook(
                 what="the rolledBack notification")
     chat = [b["text"] for b in receivers.got["chat"]]
     assert any(" rolled back in " in t and "webhook/rollout" in t for t in chat), chat
+
+
+async def test_a_hanging_hook_holds_its_own_rollout_and_no_other(cluster, namespace, fleet, operator, prometheus,
+                                                                receivers):
+    """Two fleets (zone a, zone b): the rollout of zone a waits on a confirm-rollout hook that never
+    answers; the rollout of zone b goes through all its steps meanwhile."""
+    engines = await fleet(4)
+    for i in range(4):
+        await cluster.kube.merge_patch(f"/api/v1/namespaces/{namespace}/pods/engine-{i}",
+                                       {"metadata": {"labels": {"zone": "a" if i < 2 else "b"}}})
+    await operator()
+    stuck = manifest(prometheus, name="zone-a", selector={"matchLabels": {"app": "llm-engine", "zone": "a"}},
+                     webhooks=hooks(receivers, "confirm-rollout", confirm_rollout=receivers.url("hang")))
+    await create(cluster, namespace, stuck)
+    await create(cluster, namespace, manifest(prometheus, name="zone-b",
+                                              selector={"matchLabels": {"app": "llm-engine", "zone": "b"}}))
+    await until(lambda: phase_is(cluster, namespace, "zone-b", "Promoted"), 90, what="zone b promoted")
+    held = (await get_rollout(cluster.kube, namespace, "zone-a"))["status"]
+    assert (held["phase"], held["reason"]) == ("Pending", "AwaitingConfirmation"), held
+    assert held["message"] == "waiting for confirmation to start: webhook confirm-rollout (no answer within 2s)"
+    assert [e.revision for e in engines] == ["base", "base", "kv-align@3.2.1", "kv-align@3.2.1"]
+    assert receivers.tries["hang"] >= 2, "asked again at later ticks, each bounded by its timeout"
