@@ -33,7 +33,7 @@ def test_examples_cover_every_way_to_roll_out():
     names = {path.name for path in FILES}
     assert {"engine-deployment.yaml", "rollout-builtin.yaml", "rollout-bundle.yaml", "rollout-gateway-api.yaml",
             "rollout-custom-query.yaml", "rollout-dry-run.yaml", "rollout-fault-test.yaml", "rollout-cpu-fleet.yaml",
-            "analysis-template-gpu.yaml", "rollout-with-template.yaml"} <= names
+            "analysis-template-gpu.yaml", "rollout-with-template.yaml", "rollout-with-hooks.yaml"} <= names
     patches = {obj["spec"]["patch"]["name"] for _, obj in ROLLOUTS}
     assert {"kv-align", "prefill-fusion", "sync-free", "fault"} <= patches
     assert len({obj["metadata"]["name"] for _, obj in ROLLOUTS}) == len(ROLLOUTS)
