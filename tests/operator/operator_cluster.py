@@ -5,6 +5,7 @@ import inspect
 import threading
 
 from graft.operator.kube import Kube, pods_path, rollout_path
+from graft.operator.podview import make_condition
 from graft.operator.main import run
 from graft.operator.settings import OperatorSettings
 
@@ -86,8 +87,7 @@ async def set_pod_status(kube: Kube, namespace: str, name: str, engine: FakeEngi
     engine's current process."""
     await kube.merge_patch(pods_path(namespace, name) + "/status", {"status": {
         "phase": "Running", "podIP": engine.host,
-        "conditions": [{"type": "Ready", "status": "True" if ready else "False"},
-                       {"type": "ContainersReady", "status": "True"}],
+        "conditions": [make_condition("Ready", ready), make_condition("ContainersReady", True)],
         "containerStatuses": [{"name": "engine", "ready": True, "restartCount": engine.generation,
                                "containerID": f"containerd://{name}-{engine.generation}",
                                "image": "graft:dev", "imageID": "graft@sha256:0"}]}})

@@ -9,6 +9,7 @@ from rich.console import Console
 from graft.devcluster.kubeconfig import write_kubeconfig
 from graft.operator.cli import main_rollout
 from graft.operator.kube import fleet_path, rollout_path
+from graft.operator.podview import make_condition
 
 from operator_cluster import create, get_rollout, manifest
 
@@ -193,7 +194,7 @@ async def ready_pod(cluster, namespace, name, ip, ready=True):
                                      "metadata": {"name": name, "labels": {"app": "llm-engine"}},
                                      "spec": {"containers": [{"name": "engine", "image": "graft:dev"}]}})
     await cluster.kube.merge_patch(f"{path}/{name}/status", {"status": {
-        "phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}})
+        "phase": "Running", "podIP": ip, "conditions": [make_condition("Ready", ready)]}})
 
 
 @pytest.fixture
