@@ -10,7 +10,7 @@ import kopf
 
 from graft.operator.handlers import build_registry
 from graft.operator.runtime import Runtime
-from graft.operator.settings import OperatorSettings, add_setting_args
+from graft.operator.settings import OperatorSettings, add_setting_args, variable_only
 
 
 async def run(settings: OperatorSettings, *, stop_flag: asyncio.Event | None = None,
@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     """`graft operator`'s flags: the settings' (graft.operator.settings), then how this replica runs."""
     parser = argparse.ArgumentParser(prog="graft operator", description="Run the PatchRollout operator.",
                                      epilog="Every setting may also be given by its environment variable; "
-                                            "the engines' admin token only so (GRAFT_ADMIN_TOKEN).")
+                                            "these only so (secrets, or what holds them): "
+                                            + ", ".join(variable_only()) + ".")
     add_setting_args(parser.add_argument_group("settings"))
     parser.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
     parser.add_argument("--priority", type=int, default=0,

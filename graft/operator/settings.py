@@ -209,6 +209,11 @@ def add_setting_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, *([how.short] if how.short else []), **kwargs)
 
 
+def variable_only() -> list[str]:
+    """The variables of the settings that have no flag (a secret, or what holds secrets)."""
+    return [f.metadata["setting"].env for f in fields(OperatorSettings) if f.metadata["setting"].flag is None]
+
+
 def _parse(name: str, kind: str, how: Setting, raw: str) -> Any:
     """A raw value (a variable's, or a flag's) as the field's type; ValueError naming the setting."""
     names = how.names(name)
