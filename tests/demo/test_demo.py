@@ -112,13 +112,16 @@ async def api_server():
 async def test_a_scale_up_whose_pod_never_comes_fails_saying_what_did_not_happen(api_server):
     import httpx
 
+    from graft.operator.kube import Kube
+
     async with httpx.AsyncClient(base_url=api_server.url, timeout=10) as api:
         await api.post("/api/v1/namespaces", json={"apiVersion": "v1", "kind": "Namespace",
                                                    "metadata": {"name": "llm"}})
         deployment = engine_deployment(ClusterOptions(workdir=".", pods=3, readiness_gates=(PATCHED_CONDITION,)))
         assert (await api.post("/apis/apps/v1/namespaces/llm/deployments", json=deployment)).status_code == 201
         # no pod runner plays the Deployment controller here: the new pod never comes
-        join = await scale_up(api, "llm", "token", KV, TrafficStats(), timeout=0.5, interval=0.1)
+        async with Kube(api_server.url) as kube:        # the demo's client, Graft's one
+            join = await scale_up(kube, "llm", "token", KV, TrafficStats(), timeout=0.5, interval=0.1)
         assert (await api.get("/apis/apps/v1/namespaces/llm/deployments/llm-engine")).json()["spec"]["replicas"] == 4
     assert join.replicas == (3, 4) and not join.done
     assert join.error == "no new pod appeared within 0.5 s of scaling deployment/llm-engine to 4"
