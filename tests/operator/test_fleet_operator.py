@@ -10,7 +10,7 @@ import asyncio
 from graft.operator.kube import fleet_path, pods_path, rollout_path
 
 from operator_cluster import (CHECKS, create, create_pod, events_of, get_rollout, manifest as _manifest, phase_is,
-                              until)
+                              set_pod_status, until)
 from operator_fakes import FakeEngine, Health
 
 PATCHED = "graft.dev/patched"
@@ -65,6 +65,7 @@ async def test_a_pod_added_after_promotion_is_patched_labelled_and_let_in(cluste
         assert status["revision"] == "kv-align@3.2.1" and status["pending"] == []
         # a restart without the patch (as if its annotation had been lost) is converged again
         newcomer.restart()
+        await set_pod_status(cluster.kube, namespace, "engine-new", newcomer)   # the kubelet: a new container
         await until(lambda: newcomer.applied == {"kv-align": "3.2.1"}, 60, what="re-patched after a restart")
     finally:
         await newcomer.stop()
