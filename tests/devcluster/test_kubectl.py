@@ -3,9 +3,7 @@ validation, server-side tables, explain, and the API server's refusals as kubect
 
 import queue
 import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,7 @@ import yaml
 
 from graft.rollout.spec import SELECTOR_MUST_NAME
 
-from .kubectl_cli import kubectl_binary, run_kubectl
+from .kubectl_cli import emulator_kubeconfig, kubectl_binary, run_kubectl
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "rollout-builtin.yaml"
@@ -21,22 +19,8 @@ EXAMPLE = ROOT / "examples" / "rollout-builtin.yaml"
 
 @pytest.fixture(scope="module")
 def kubeconfig(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("kubectl")
-    config, log = folder / "kubeconfig", folder / "apiserver.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "graft.devcluster.apiserver", "--crds", str(ROOT / "crds"),
-                                    "--namespace", "llm", "--kubeconfig", str(config)],
-                                   stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while not config.exists():
-            assert process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "the API server did not start"
-            time.sleep(0.05)
+    with emulator_kubeconfig(tmp_path_factory.mktemp("kubectl"), ROOT / "crds") as config:
         yield config
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def kubectl(config: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -3,16 +3,13 @@ generated CRDs: the kind itself, its spec and status, and fields deep inside the
 models say (graft.rollout.models: one description per field, in one place)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from graft.rollout.models import analysistemplate, common, patchfleet, patchrollout
 
-from .kubectl_cli import run_kubectl
+from .kubectl_cli import emulator_kubeconfig, run_kubectl
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,22 +46,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def kubeconfig(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("explain")
-    config, log = folder / "kubeconfig", folder / "apiserver.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "graft.devcluster.apiserver", "--crds", str(ROOT / "crds"),
-                                    "--namespace", "llm", "--kubeconfig", str(config)],
-                                   stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while not config.exists():
-            assert process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "the API server did not start"
-            time.sleep(0.05)
+    with emulator_kubeconfig(tmp_path_factory.mktemp("explain"), ROOT / "crds") as config:
         yield config
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 @pytest.mark.parametrize("field, shown, text", CASES, ids=[c[0] for c in CASES])
