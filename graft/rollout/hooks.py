@@ -6,10 +6,10 @@ Gates, awaited during a reconciliation, whose answer decides:
   (Pending, reason AwaitingConfirmation), touching no pod;
 - `pre-rollout`: before the first canary, once confirmed; a failure (non-2xx after its retries)
   ends the rollout Failed before any pod is touched;
-- `rollout`: at every analysis run; a failure counts as a failed check (a breaker named
-  `webhook/<name>`), so its `consecutive` and the step's rules apply as to any check;
+- `rollout`: at every analysis run; a failure fails the run as a breaker named `webhook/<name>`
+  would, and the rollout rolls back;
 - `confirm-promotion`: before a manual step (`untilApproved`, `pause: {}`) goes on and before the
-  last step; while it answers anything but 2xx the step waits (AwaitingConfirmation), and a 2xx
+  move to the last step; while it answers anything but 2xx the step waits (AwaitingConfirmation), and a 2xx
   counts as the approval a manual step waits for.
 
 Fired, never awaited (through the operator's outbox, with retries):

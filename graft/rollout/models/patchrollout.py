@@ -281,7 +281,7 @@ class Webhook(ApiModel):
         "When it is called and what its answer means. Awaited gates: confirm-rollout (the rollout waits, touching "
         "no pod, while it answers non-2xx), pre-rollout (non-2xx fails the rollout before any pod is touched), "
         "rollout (at every analysis run; non-2xx is a failed check), confirm-promotion (a manual step, and the "
-        "last step, wait while it answers non-2xx; a 2xx approves a manual step). Fired, not awaited: "
+        "step before the last, wait while it answers non-2xx; a 2xx approves a manual step). Fired, not awaited: "
         "post-rollout (the rollout ended), rollback (a rollback began), event (every Event).",
         json_schema_extra={"type": "string"})
     url: Annotated[str, StringConstraints(max_length=2048, pattern=URL_PATTERN)] = described(
