@@ -138,19 +138,26 @@ class Notifier:
         self.outbox = outbox
 
     def wanted(self, rollout: dict[str, Any]) -> list[tuple[Receiver, tuple[Moment, ...]]]:
-        """Which receivers get which moments for this rollout."""
+        """Which receivers get which moments for this rollout. A `spec.notifications` the operator
+        cannot read (the rollout's spec is refused as a whole then) counts as absent, so that its
+        failure is still heard by every receiver."""
         chosen = (rollout.get("spec") or {}).get("notifications")
-        if chosen is None:
-            return [(r, r.moments) for r in self.receivers.values()]
+        defaults = [(r, r.moments) for r in self.receivers.values()]
+        if chosen is None or not isinstance(chosen, list) or not all(isinstance(c, dict) for c in chosen):
+            return defaults
         out = []
         for rule in chosen:
-            receiver = self.receivers.get(rule.get("receiver", ""))
+            receiver = self.receivers.get(str(rule.get("receiver", "")))
             if receiver is None:
                 log.warning("%s: notification receiver %r is not configured",
                             _name(rollout), rule.get("receiver"))
                 continue
-            out.append((receiver, parse_moments(rule.get("moments"), "moments")
-                        if rule.get("moments") is not None else receiver.moments))
+            try:
+                moments_wanted = (parse_moments(rule["moments"], "moments") if rule.get("moments") is not None
+                                  else receiver.moments)
+            except NotifyConfigError:
+                return defaults
+            out.append((receiver, moments_wanted))
         return out
 
     def publish(self, rollout: dict[str, Any], before: dict[str, Any] | None, after: dict[str, Any],

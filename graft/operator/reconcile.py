@@ -65,23 +65,29 @@ async def reconcile(runtime: Runtime, body: dict[str, Any], now: float, *, abort
                 events.insert(0, Event(Reason.INVALID_SPEC, message, "Warning"))
             status.message = message if status.phase in ACTIVE_PHASES else status.message
             status.refresh_conditions(now)
-            return await _write(runtime, body, stored, Result(status, events))
-        return await _write(runtime, body, stored, _invalid(stored, e, body, now))
+            result = await _write(runtime, body, stored, Result(status, events))
+            announce(runtime, body, lenient, stored, result, now)
+            return result
+        result = await _write(runtime, body, stored, _invalid(stored, e, body, now))
+        announce(runtime, body, None, stored, result, now)
+        return result
     if stored.phase == FAILED and stored.reason == Reason.INVALID_SPEC:
         stored = RolloutStatus()    # the spec was fixed: start over
     if stored.phase in FINAL_PHASES:
         return Result(stored)
     status, events = await Reconciliation(runtime, spec, body, now, abort).run(stored)
     result = await _write(runtime, body, stored, Result(status, events))
-    announce(runtime, body, spec, result, now)
+    announce(runtime, body, spec, stored, result, now)
     return result
 
 
-def announce(runtime: Runtime, body: dict[str, Any], spec: RolloutSpec | None, result: Result, now: float) -> None:
-    """Tell what this reconciliation changed (written already): the notification receivers, and the
-    rollout's fired webhooks (post-rollout at its end, rollback when one begins, event for every
-    Event). Never waits: everything leaves through the outbox."""
-    before, after = body.get("status") or {}, result.status.to_dict()
+def announce(runtime: Runtime, body: dict[str, Any], spec: RolloutSpec | None, stored: RolloutStatus,
+             result: Result, now: float) -> None:
+    """Tell what this reconciliation changed from `stored` (written already): the notification
+    receivers, and the rollout's fired webhooks (post-rollout at its end, rollback when one begins,
+    event for every Event). Never waits: everything leaves through the outbox. A spec that does not
+    parse has no webhooks to call (`spec` None); its receivers still hear that it failed."""
+    before, after = stored.to_dict(), result.status.to_dict()
     runtime.notifier.publish(body, before, after, result.events, now)
     if spec is None or not spec.hooks:
         return

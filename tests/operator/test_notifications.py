@@ -197,3 +197,10 @@ async def test_a_rollout_chooses_its_receivers_and_moments(receivers):
     assert [b["moment"] for b in receivers.got["audit"]] == ["started"]
     assert "chat" not in receivers.got
     await outbox.aclose()
+
+
+def test_a_refused_spec_whose_notifications_are_malformed_is_still_told_to_every_receiver():
+    notifier = Notifier([Receiver("chat", "slack", "http://127.0.0.1:9/chat")], Outbox())
+    for bad in ("all", [{"receiver": "chat", "moments": ["finished"]}], [["chat"]]):
+        rollout = ROLLOUT | {"spec": ROLLOUT["spec"] | {"notifications": bad}}
+        assert [(r.name, m) for r, m in notifier.wanted(rollout)] == [("chat", DEFAULT_MOMENTS)]

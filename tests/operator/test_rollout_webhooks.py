@@ -125,3 +125,17 @@ async def test_a_hanging_hook_holds_its_own_rollout_and_no_other(cluster, namesp
     assert held["message"] == "waiting for confirmation to start: webhook confirm-rollout (no answer within 2s)"
     assert [e.revision for e in engines] == ["base", "base", "kv-align@3.2.1", "kv-align@3.2.1"]
     assert receivers.tries["hang"] >= 2, "asked again at later ticks, each bounded by its timeout"
+
+
+async def test_a_rollout_refused_as_invalid_is_told_as_failed(cluster, namespace, fleet, operator, prometheus,
+                                                            receivers):
+    await fleet(2)
+    await operator(notifications=notifications(receivers))
+    # a pause of 60 (a number) is admitted by the API server (the field has no type) and refused by
+    # the operator (InvalidSpec)
+    await create(cluster, namespace, manifest(prometheus, steps=[{"weight": 10, "pause": 60}, {"weight": 100}]))
+    obj = await until(lambda: phase_is(cluster, namespace, "kv-align", "Failed"), 60, what="Failed")
+    assert obj["status"]["reason"] == "InvalidSpec"
+    await until(lambda: receivers.got.get("audit"), 10, what="the notification")
+    (told,) = receivers.got["audit"]
+    assert (told["moment"], told["reason"]) == ("failed", "InvalidSpec") and "spec.steps[0].pause" in told["message"]
