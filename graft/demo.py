@@ -61,7 +61,7 @@ from graft.adminapi import AdminClient, AdminError
 from graft.operator.kube import Kube, KubeError, fleet_path, pods_path, scale_path
 from graft.operator.pods import PATCHES_ANNOTATION, TRACK_LABEL, admin_address, is_ready
 from graft.operator.podview import PodView, condition
-from graft.operator.render import render_status
+from graft.operator.render import HISTORY_COLUMNS, history_rows, render_status
 from graft.rollout.durations import format_duration, parse_duration
 from graft.rollout.fleet import PATCHED_CONDITION
 from graft.rollout.spec import DEFAULT_STEPS, Check, parse_spec
@@ -1028,7 +1028,21 @@ def rollout_section(timeline: Timeline, ro: dict[str, Any], events: Sequence[dic
             "the share of the requests they answered), canary beside stable for the error rate (and for "
             "TTFT and TPOT p99 where the rollout checks them) with the limit each check judges against, "
             f"and the shadow comparisons behind output-divergence; its series are in [{data}]({data}).", "",
-            *_events_table(events), ""]
+            *history_lines(ro), *_events_table(events), ""]
+
+
+def history_lines(ro: dict[str, Any]) -> list[str]:
+    """The analysis runs the rollout kept (status.analysisHistory, as `graft rollout history` shows
+    them): every check's value, threshold, counts, bounds and verdict, run by run."""
+    rows, _, _ = history_rows(ro)
+    if not rows:
+        return []
+    kept = len((ro.get("status") or {}).get("analysisHistory") or [])
+    retention = ((ro.get("spec") or {}).get("analysis") or {}).get("measurementRetention", 10)
+    return [f"The analysis runs kept in `status.analysisHistory` ({kept}, at most `measurementRetention` "
+            f"{retention}), oldest first:", "",
+            "| " + " | ".join(HISTORY_COLUMNS) + " |", "|" + "---|" * len(HISTORY_COLUMNS),
+            *("| " + " | ".join(_cell(c) for c in row) + " |" for row in rows), ""]
 
 
 def join_section(join: Join, events: Sequence[dict[str, Any]]) -> list[str]:

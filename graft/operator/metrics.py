@@ -6,13 +6,22 @@ numbers behind each decision next to the engines' own:
 - `graft_rollout_phase{namespace,rollout,phase}`: 1 for the rollout's current phase, 0 for the others;
 - `graft_rollout_weight{namespace,rollout}` and `graft_rollout_step{namespace,rollout}` (from 1);
 - `graft_analysis_value{namespace,rollout,role,check}`: the latest value each check was judged on;
-- `graft_analysis_verdicts_total{namespace,rollout,role,check,verdict}`: every check's verdicts, by run.
+- `graft_analysis_verdicts_total{namespace,rollout,role,check,verdict}`: every check's verdicts, by run;
+- `graft_analysis_bound{namespace,rollout,role,check,bound}`: what the latest value was held against:
+  `limit` (the threshold in the value's units) and, for checks judged on counts, the confidence
+  bounds `lower` and `upper`; with the value, one series per run is the analysis history in Grafana;
+- `graft_analysis_runs_total{namespace,rollout,verdict}` and `graft_analysis_last_run_timestamp_seconds`:
+  analysis runs by the run's verdict, and when the latest was.
 """
 from __future__ import annotations
+
+import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from graft.rollout.status import PHASES, RolloutStatus
+
+BOUNDS = ("limit", "lower", "upper")   # CheckResult.numbers shown beside the value
 
 
 class OperatorMetrics:
@@ -27,6 +36,13 @@ class OperatorMetrics:
                            ["namespace", "rollout", "role", "check"], registry=r)
         self.verdicts = Counter("graft_analysis_verdicts", "Check verdicts, one per analysis run.",
                                 ["namespace", "rollout", "role", "check", "verdict"], registry=r)
+        self.bound = Gauge("graft_analysis_bound",
+                           "What the latest value was held against: limit, and the confidence bounds lower/upper.",
+                           ["namespace", "rollout", "role", "check", "bound"], registry=r)
+        self.runs = Counter("graft_analysis_runs", "Analysis runs, by the run's verdict.",
+                            ["namespace", "rollout", "verdict"], registry=r)
+        self.last_run = Gauge("graft_analysis_last_run_timestamp_seconds", "When the latest analysis run was.",
+                              ["namespace", "rollout"], registry=r)
         self._last_run: dict[tuple[str, str], float | None] = {}
 
     def observe(self, namespace: str, rollout: str, status: RolloutStatus) -> None:
@@ -40,15 +56,26 @@ class OperatorMetrics:
         if a.last_run is None or self._last_run.get(key) == a.last_run:
             return
         self._last_run[key] = a.last_run
+        self.last_run.labels(namespace, rollout).set(a.last_run)
+        if a.verdict:
+            self.runs.labels(namespace, rollout, a.verdict).inc()
         for result in a.results:
+            ids = (namespace, rollout, result.role, result.name)
             if result.value is not None:
-                self.value.labels(namespace, rollout, result.role, result.name).set(result.value)
-            self.verdicts.labels(namespace, rollout, result.role, result.name, result.verdict).inc()
+                self.value.labels(*ids).set(result.value)
+            for bound in BOUNDS:
+                number = result.numbers.get(bound)
+                if number is not None and math.isfinite(number):
+                    self.bound.labels(*ids, bound).set(number)
+                elif (*ids, bound) in self.bound._metrics:   # noqa: SLF001 (a bound this run lacks is not shown stale)
+                    self.bound.remove(*ids, bound)
+            self.verdicts.labels(*ids, result.verdict).inc()
 
     def forget(self, namespace: str, rollout: str) -> None:
         """Drop a deleted rollout's series."""
         self._last_run.pop((namespace, rollout), None)
-        for metric in (self.phase, self.weight, self.step, self.value, self.verdicts):
+        for metric in (self.phase, self.weight, self.step, self.value, self.verdicts, self.bound, self.runs,
+                       self.last_run):
             for labels in list(metric._metrics):         # noqa: SLF001 (prometheus_client has no public way)
                 if labels[:2] == (namespace, rollout):
                     metric.remove(*labels)

@@ -255,6 +255,7 @@ def _quantile(check: Check, m: Measurement, a: Analysis) -> _Outcome:
         shown = f"{check.name}: canary {qc * 1000:.4g} ms over {window} ({int(nc)} samples)"
         limit = check.threshold
     numbers["ratio" if ratio else "quantile"] = value
+    numbers["limit"] = check.max_ratio if ratio else check.max
     if check.breached(value):
         return _Outcome(FAILED, f"{shown}: breaches {limit}", value, **numbers)
     if ratio and check.max is not None and qc > check.max:
@@ -272,9 +273,10 @@ def _value(check: Check, m: Measurement, a: Analysis) -> _Outcome:
     if value is None or math.isnan(value):
         return _Outcome(INCONCLUSIVE, f"{check.name}: the query returned no data", None)
     what = f"{check.name} {_fmt(value)} over {check.window_text}"
+    limit = dict(limit=check.max if check.max is not None else check.min)
     if check.breached(value):
-        return _Outcome(FAILED, f"{what} breaches {check.threshold}", value, measured=value)
-    return _Outcome(SUCCESSFUL, f"{what} within {check.threshold}", value, measured=value)
+        return _Outcome(FAILED, f"{what} breaches {check.threshold}", value, measured=value, **limit)
+    return _Outcome(SUCCESSFUL, f"{what} within {check.threshold}", value, measured=value, **limit)
 
 
 _JUDGES = {"rate": _rate, "difference": _difference, "quantile": _quantile,

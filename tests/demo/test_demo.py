@@ -320,3 +320,25 @@ def test_a_rollout_without_latency_checks_gets_no_latency_panels():
     errors = {line.label: line for line in panels[1].lines}
     assert errors["error-rate-delta limit (stable + 0.1 pp)"].v == pytest.approx([1.1])
     assert [line.v for line in panels[0].lines] == [[50.0], [66.7], [pytest.approx(40.0)]]
+
+
+def test_the_report_keeps_every_analysis_run_of_the_history_with_its_numbers(tmp_path):
+    final = drift_rolled_back()
+    final["spec"].setdefault("analysis", {})["measurementRetention"] = 3
+    final["status"]["analysisHistory"] = [
+        {"time": "2026-12-05T00:00:00Z", "step": 1, "verdict": "Successful",
+         "results": [{"name": "output-divergence", "role": "breaker", "verdict": "Successful", "value": 0.0,
+                      "threshold": "<= 0.05", "numbers": {"compared": 4, "divergent": 0, "lower": 0.0,
+                                                          "upper": 0.49}}]},
+        {"time": "2026-12-05T00:00:02Z", "step": 2, "verdict": "Failed",
+         "results": [{"name": "output-divergence", "role": "breaker", "verdict": "Failed", "value": 0.667,
+                      "threshold": "<= 0.05", "numbers": {"compared": 6, "divergent": 4, "lower": 0.094,
+                                                          "upper": 0.94}}]}]
+    timeline = Timeline("drift-drill")
+    timeline.add(1_796_000_000.0, final)
+    text = "\n".join(rollout_section(timeline, final, [], tmp_path / "drift-drill.png"))
+    assert "The analysis runs kept in `status.analysisHistory` (2, at most `measurementRetention` 3)" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 2026-12-05")]
+    assert len(rows) == 2
+    assert "| 1/3 | Successful | output-divergence | breaker |" in rows[0] and "0/4 divergent" in rows[0]
+    assert "| 2/3 | Failed |" in rows[1] and "4/6 divergent" in rows[1] and "[0.094, 0.94]" in rows[1]
