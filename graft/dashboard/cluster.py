@@ -1,7 +1,7 @@
 """The dashboard's calls to Kubernetes, in one place: list and watch the namespace's PatchRollouts,
 PatchFleets and Events with the user's own credentials (a kubeconfig's context, or a pod's service
 account, as `graft rollout` logs in: graft.operator.kubeconfig), and run the rollout verbs
-(graft.operator.actions, the very code `graft rollout VERB` runs).
+(graft.operator.verbs, the very code `graft rollout VERB` runs).
 
 A list, then a watch from the list's resourceVersion (graft.operator.kube); a watch that falls too
 far behind (410 Gone) ends, and the caller lists again.
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from graft.api import FLEETS, ROLLOUTS
-from graft.operator import actions
+from graft.operator import verbs
 from graft.operator.kube import Kube, KubeError, SyncKube, events_path, fleets_path, rollouts_path
 from graft.operator.kubeconfig import Credentials, KubeconfigError, load_credentials
 
@@ -76,15 +76,15 @@ class Cluster:
 
     async def act(self, verb: str, name: str, full: bool = False) -> tuple[bool, str]:
         """Run the rollout verb on `name` as this user: (done, what it said, as `graft rollout` says it)."""
-        def run() -> actions.Done:
+        def run() -> verbs.Done:
             with SyncKube(lambda: Kube.from_credentials(self.creds)) as api:
                 if verb == "promote":
-                    return actions.promote(api, self.namespace, name, full=full)
-                return actions.VERBS[verb](api, self.namespace, name)
+                    return verbs.promote(api, self.namespace, name, full=full)
+                return verbs.VERBS[verb](api, self.namespace, name)
 
         try:
             done = await asyncio.to_thread(run)
-        except actions.ActionError as e:
+        except verbs.ActionError as e:
             return False, str(e)
         except httpx.TransportError as e:
             return False, f"cannot reach the API server: {type(e).__name__}: {e}"
@@ -98,6 +98,6 @@ def _refusals(what: str):
     except KubeError as e:
         if e.status == 410:
             raise Gone(410, e.message) from None
-        raise ClusterError(e.status, f"cannot {what}: {actions.refusal(e)}") from None
+        raise ClusterError(e.status, f"cannot {what}: {verbs.refusal(e)}") from None
     except httpx.TransportError as e:
         raise ClusterError(0, f"cannot {what}: the API server did not answer ({type(e).__name__})") from None

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from graft.api import FINAL_PHASES
-from graft.operator.actions import VERBS
+from graft.operator.verbs import VERBS
 from graft.operator.render import bounds_text, counts_text, manual_step, steps_of, value_text
 from graft.rollout.status import from_time
 

@@ -2,7 +2,7 @@
 history NAME | lint -f FILE | simulate -f FILE`, also `kubectl graft ...`.
 
 Each steering verb changes one field of the PatchRollout and the operator does the rest (the verbs
-themselves live in graft.operator.actions, which the dashboard calls too): `pause` sets
+themselves live in graft.operator.verbs, which the dashboard calls too): `pause` sets
 `spec.paused`, `resume` clears it and sets the annotation `graft.dev/resume: "true"` (which ends a
 pause the analysis decided, kept in status.pauseConditions), `promote` sets the annotation `graft.dev/promote` (`step` or `full`), `abort`
 sets `graft.dev/abort: "true"`. `status` shows the step, the weight, the pods and every metric
@@ -40,9 +40,9 @@ import httpx
 from rich.console import Console
 
 from graft.api import FINAL_PHASES, Reason
-from graft.operator import actions
-from graft.operator.actions import ActionError, Done, list_of as _list_of, ref as _ref
-from graft.operator.actions import get as _get, read as _read, refusal as _refusal
+from graft.operator import verbs
+from graft.operator.verbs import ActionError, Done, list_of as _list_of, ref as _ref
+from graft.operator.verbs import get as _get, read as _read, refusal as _refusal
 from graft.operator.kube import Kube, KubeError, SyncKube, events_path, fleets_path, pods_path, rollouts_path
 from graft.operator.kubeconfig import KubeconfigError, load_credentials
 from graft.operator.podview import condition
@@ -159,24 +159,24 @@ def _say(console: Console, done: Done) -> int:
 
 
 def _pause(api, namespace, args, console) -> int:
-    return _say(console, actions.pause(api, namespace, args.name))
+    return _say(console, verbs.pause(api, namespace, args.name))
 
 
 def _resume(api, namespace, args, console) -> int:
-    return _say(console, actions.resume(api, namespace, args.name))
+    return _say(console, verbs.resume(api, namespace, args.name))
 
 
 def _promote(api, namespace, args, console) -> int:
-    return _say(console, actions.promote(api, namespace, args.name, full=args.full))
+    return _say(console, verbs.promote(api, namespace, args.name, full=args.full))
 
 
 def _abort(api, namespace, args, console) -> int:
-    return _say(console, actions.abort(api, namespace, args.name))
+    return _say(console, verbs.abort(api, namespace, args.name))
 
 
 def _retry(api, namespace, args, console) -> int:
     """Start a RolledBack or Failed rollout again from its first step: its controls and status cleared."""
-    return _say(console, actions.retry(api, namespace, args.name))
+    return _say(console, verbs.retry(api, namespace, args.name))
 
 
 def _status(api, namespace, args, console) -> int:
@@ -325,9 +325,9 @@ def _fleet_row(obj: dict[str, Any], now: float) -> dict[str, Any]:
 # -- undo -------------------------------------------------------------------------------------------
 
 def _undo(api, namespace, args, console) -> int:
-    """Create the rollout that undoes a Promoted one (graft.operator.actions.undo); `-o name` prints
+    """Create the rollout that undoes a Promoted one (graft.operator.verbs.undo); `-o name` prints
     the new rollout's name alone."""
-    done = actions.undo(api, namespace, args.name)
+    done = verbs.undo(api, namespace, args.name)
     if args.output == "name":
         for note in done.notes:
             console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
