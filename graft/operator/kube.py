@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 import httpx
 
-from graft.operator.kubeconfig import Credentials
+from graft.operator.kubeconfig import Credentials, RefreshingAuth
 
 MERGE = "application/merge-patch+json"
 
@@ -57,9 +57,9 @@ class Kube:
 
     def __init__(self, server: str, *, headers: dict[str, str] | None = None,
                  verify: bool | ssl.SSLContext = True, timeout: float = 30.0,
-                 transport: httpx.AsyncBaseTransport | None = None):
+                 transport: httpx.AsyncBaseTransport | None = None, auth: httpx.Auth | None = None):
         self._client = httpx.AsyncClient(base_url=server.rstrip("/"), headers=headers or {}, verify=verify,
-                                         timeout=timeout, transport=transport)
+                                         timeout=timeout, transport=transport, auth=auth)
         self._extensions: dict[str, Any] = {}
 
     @classmethod
@@ -71,10 +71,16 @@ class Kube:
     @classmethod
     def from_credentials(cls, creds: Credentials, *, timeout: float = 30.0) -> "Kube":
         """From a kubeconfig's context or a pod's service account (graft.operator.kubeconfig)."""
-        kube = cls(creds.server, headers=creds.headers(), verify=creds.ssl_context(), timeout=timeout)
+        # tokens that age (an exec plugin's, a token file's) are read again: RefreshingAuth
+        kube = cls(creds.server, verify=creds.ssl_context(), timeout=timeout, auth=RefreshingAuth(creds))
         if creds.tls_server_name:
             kube._extensions = {"sni_hostname": creds.tls_server_name}
         return kube
+
+    def use_headers(self, headers: dict[str, str]) -> None:
+        """Send these headers (a fresh token) from now on; calls and watches in flight go on."""
+        self._client.headers.pop("Authorization", None)
+        self._client.headers.update(headers)
 
     async def aclose(self) -> None:
         await self._client.aclose()

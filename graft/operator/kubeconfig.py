@@ -11,9 +11,16 @@
 
 What cannot be read is a `KubeconfigError` naming the file and the entry. Relative file names are
 relative to the kubeconfig that holds them, as kubectl reads them.
+
+Credentials that age are read again, as client-go does: an exec plugin's token when its
+`expirationTimestamp` passes (or the API server answers 401), a `tokenFile` or a service account's
+token (which the kubelet rotates in place) every `FILE_TOKEN_RELOAD` seconds. `Credentials.expires_at`
+says when; `reload()` reads them anew from where they came from; `RefreshingAuth` does both for an
+httpx client, so a dashboard left open for a day keeps working.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
@@ -21,13 +28,19 @@ import os
 import ssl
 import subprocess
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+FILE_TOKEN_RELOAD = 60.0   # seconds between two reads of a token file (the kubelet rotates a pod's in place)
+EXPIRY_MARGIN = 30.0       # an expiring token is fetched again this long before it expires
 
 
 class KubeconfigError(Exception):
@@ -48,6 +61,20 @@ class Credentials:
     private_key: bytes | None = None
     insecure: bool = False                  # insecure-skip-tls-verify
     tls_server_name: str | None = None
+    expires_at: float | None = None         # epoch seconds after which the token must be read again
+    # where they were read from, to read them again: ("kubeconfig", path, context) or ("pod", folder)
+    origin: tuple[str | None, ...] | None = None
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires_at is not None and (time.time() if now is None else now) >= self.expires_at - EXPIRY_MARGIN
+
+    def reload(self) -> "Credentials":
+        """The same identity read anew (the plugin run again, the file read again)."""
+        if self.origin is None:
+            return self
+        if self.origin[0] == "pod":
+            return service_account(Path(self.origin[1] or SERVICE_ACCOUNT))
+        return load_credentials(*self.origin[1:])
 
     def headers(self) -> dict[str, str]:
         """The Authorization header of this identity (none for a client certificate or no credentials)."""
@@ -105,11 +132,16 @@ def load_credentials(path: str | os.PathLike[str] | None = None, context: str | 
         "ca_data": _data(cluster, "certificate-authority", where["clusters"].get(ctx.get("cluster"))),
     }
     base = where["users"].get(ctx.get("user"))
+    expires_at = None
     if user.get("exec"):
         user = {**user, **_exec(user["exec"], ctx.get("user"))}
+        expires_at = user.pop("__expires_at__", None)
     token = user.get("token")
     if not token and user.get("tokenFile"):
         token = _read(_relative(user["tokenFile"], base), "tokenFile").decode().strip()
+        expires_at = time.time() + FILE_TOKEN_RELOAD
+    creds["expires_at"] = expires_at if token else None   # a plugin's certificate is kept as given
+    creds["origin"] = ("kubeconfig", None if path is None else str(path), name)
     creds.update(token=token or None, username=user.get("username"), password=user.get("password"),
                  certificate=_data(user, "client-certificate", base), private_key=_data(user, "client-key", base))
     if bool(creds["certificate"]) != bool(creds["private_key"]):
@@ -130,7 +162,8 @@ def service_account(root: Path = SERVICE_ACCOUNT) -> Credentials:
     namespace = root / "namespace"
     return Credentials(server=f"https://{host}:{port}", token=_read(root / "token", "token").decode().strip(),
                        ca_data=_read(root / "ca.crt", "ca.crt"),
-                       namespace=namespace.read_text().strip() if namespace.exists() else "default")
+                       namespace=namespace.read_text().strip() if namespace.exists() else "default",
+                       expires_at=time.time() + FILE_TOKEN_RELOAD, origin=("pod", str(root)))
 
 
 def _default_files() -> list[Path]:
@@ -228,8 +261,63 @@ def _exec(spec: dict[str, Any], user: Any) -> dict[str, Any]:
     with contextlib.suppress(ValueError, AttributeError):
         status = json.loads(done.stdout).get("status") or {}
     if status.get("token"):
-        return {"token": status["token"]}
+        return {"token": status["token"], "__expires_at__": _timestamp(status.get("expirationTimestamp"))}
     if status.get("clientCertificateData") and status.get("clientKeyData"):
         return {"client-certificate-data": base64.b64encode(status["clientCertificateData"].encode()).decode(),
                 "client-key-data": base64.b64encode(status["clientKeyData"].encode()).decode()}
     raise KubeconfigError(f"user {user!r}: exec {command} answered no token and no client certificate")
+
+
+def _timestamp(text: Any) -> float | None:
+    """An RFC 3339 time as epoch seconds; None when absent (the token is kept until a 401)."""
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+class RefreshingAuth(httpx.Auth):
+    """The bearer token of `creds`, read again before it expires and once after a 401.
+
+    A 401 that reading the credentials again does not change (a literal token in the kubeconfig) is
+    the API server's answer and is passed on as it is. In an event loop the plugin runs in a thread."""
+
+    def __init__(self, creds: Credentials):
+        self._creds = creds
+        self._lock = threading.Lock()       # one reload at a time, whichever thread asks
+
+    @property
+    def credentials(self) -> Credentials:
+        return self._creds
+
+    def _stale(self, used: str | None = None) -> bool:
+        return self._creds.origin is not None and (self._creds.expired() or
+                                                  (used is not None and self._creds.token == used))
+
+    def _reload(self, used: str | None = None) -> Credentials:
+        with self._lock:
+            if self._stale(used):           # another request may have reloaded them meanwhile
+                self._creds = self._creds.reload()
+            return self._creds
+
+    def sync_auth_flow(self, request: httpx.Request):
+        creds = self._reload() if self._stale() else self._creds
+        request.headers.update(creds.headers())
+        response = yield request
+        if response.status_code == 401 and creds.origin is not None:
+            fresh = self._reload(used=creds.token)
+            if fresh.token != creds.token:
+                request.headers.update(fresh.headers())
+                yield request
+
+    async def async_auth_flow(self, request: httpx.Request):
+        creds = await asyncio.to_thread(self._reload) if self._stale() else self._creds
+        request.headers.update(creds.headers())
+        response = yield request
+        if response.status_code == 401 and creds.origin is not None:
+            fresh = await asyncio.to_thread(self._reload, creds.token)
+            if fresh.token != creds.token:
+                request.headers.update(fresh.headers())
+                yield request

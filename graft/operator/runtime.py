@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from datetime import datetime, timezone
 from collections import defaultdict
 from typing import Any
 
@@ -13,7 +14,7 @@ import kopf
 from graft.api import Reason
 from graft.adminapi import AdminClient
 from graft.operator.kube import Kube, KubeError, secret_path, secret_value
-from graft.operator.kubeconfig import load_credentials
+from graft.operator.kubeconfig import EXPIRY_MARGIN, load_credentials
 from graft.operator.hooks import HookCaller
 from graft.operator.metrics import OperatorMetrics
 from graft.operator.notify import Notifier, receivers_from_env
@@ -33,6 +34,7 @@ class Runtime:
     def __init__(self, settings: OperatorSettings):
         self.settings = settings
         self.kube: Kube | None = None
+        self._login: kopf.ConnectionInfo | None = None   # what self.kube was made from
         self.locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         # what each engine runs, known from the operator's own applies and reverts (every one goes
         # through this client) and from container identity; the fleet asks engines only beyond it
@@ -80,7 +82,13 @@ class Runtime:
             logger.warning(f"admin token: could not check Secret {self.settings.admin_token_secret}: {e}")
 
     async def connect(self, info: kopf.ConnectionInfo) -> None:
-        old, self.kube = self.kube, Kube.from_connection(info)
+        """Use kopf's login; a token read again (kopf logs in anew when it expires or after a 401)
+        replaces the old one in the same client, so watches and calls in flight go on."""
+        if self.kube is not None and self._login is not None and _same_but_token(self._login, info):
+            self.kube.use_headers(info.as_http_headers())
+            self._login = info
+            return
+        old, self.kube, self._login = self.kube, Kube.from_connection(info), info
         if old is not None:
             await old.aclose()
 
@@ -193,9 +201,19 @@ def _from_kubeconfig(path: str | None, context: str | None) -> kopf.ConnectionIn
     """kopf's connection from the credentials Graft's own client uses (graft.operator.kubeconfig:
     a kubeconfig's context, token files, client certificates, exec plugins; a pod's service account)."""
     creds = load_credentials(path, context)
+    # kopf logs in again when this passes: an exec plugin's token, a token file the kubelet rotates
+    expiration = None if creds.expires_at is None else \
+        datetime.fromtimestamp(creds.expires_at - EXPIRY_MARGIN, timezone.utc)
     return kopf.ConnectionInfo(
         server=creds.server, ca_data=creds.ca_data, insecure=creds.insecure,
         username=creds.username, password=creds.password, token=creds.token,
-        scheme="Bearer" if creds.token else None,
+        scheme="Bearer" if creds.token else None, expiration=expiration,
         certificate_data=creds.certificate, private_key_data=creds.private_key,
         default_namespace=creds.namespace)
+
+
+def _same_but_token(old: kopf.ConnectionInfo, new: kopf.ConnectionInfo) -> bool:
+    """Whether two logins differ in their token or password only (same server, same TLS)."""
+    fields = ("server", "ca_data", "ca_path", "insecure", "certificate_data", "certificate_path",
+              "private_key_data", "private_key_path", "proxy_url")
+    return all(getattr(old, f) == getattr(new, f) for f in fields)
