@@ -117,10 +117,12 @@ class PodExecutor:
                 self.runtime.unauthorized.pop(f"{namespace}/{pod}", None)
                 return Outcome(action, revision=revision)
             case LabelPod(pod, track, revision):
-                await podsmod.label_pod(kube, namespace, pod, track, revision)
+                # the reply goes to the pod cache: the next round of this tick reads what it wrote
+                self.runtime.pod_cache.saw(await podsmod.label_pod(kube, namespace, pod, track, revision))
             case SetPatched(pod, value, message):
-                await set_condition(kube, namespace, self.pods[pod], PATCHED_CONDITION, value,
-                                    Reason.PATCHED if value else Reason.CONVERGING, message)
+                self.runtime.pod_cache.saw(await set_condition(
+                    kube, namespace, self.pods[pod], PATCHED_CONDITION, value,
+                    Reason.PATCHED if value else Reason.CONVERGING, message))
             case _:
                 raise TypeError(f"not a pod action: {action!r}")
         return Outcome(action)
@@ -141,10 +143,11 @@ class PodExecutor:
 
 
 async def set_condition(kube: Kube, namespace: str, pod: dict[str, Any], kind: str, value: bool,
-                        reason: str, message: str) -> None:
-    """Set one condition in the pod's status, keeping every other condition as it is."""
+                        reason: str, message: str) -> dict[str, Any] | None:
+    """Set one condition in the pod's status, keeping every other condition as it is; the pod as
+    the API server answered (None: gone)."""
     conditions = [c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") != kind]
     conditions.append({"type": kind, "status": "True" if value else "False", "reason": reason,
                        "message": message, "lastTransitionTime": to_time(time.time())})
-    await kube.merge_patch(pods_path(namespace, pod["metadata"]["name"]) + "/status",
+    return await kube.merge_patch(pods_path(namespace, pod["metadata"]["name"]) + "/status",
                            {"status": {"conditions": conditions}})

@@ -1,6 +1,7 @@
 """The fleet controller: every PatchFleet's pods converged to its patches, for good.
 
-Each tick (a kopf timer per PatchFleet) it lists the pods the fleet's selector matches, keeps the
+Each tick (a kopf timer per PatchFleet) it reads the pods the fleet's selector matches (from the
+operator's watch of the namespace, graft.operator.podcache: no list per tick), keeps the
 engines of a workload among them (`graft.operator.pods.Workloads`: any other pod is left alone and
 reported once, in a Warning Event NotAnEngine), learns what each running engine runs (from what the
 operator did and the container's identity, asking the engine only when that is missing or stale:
@@ -37,6 +38,7 @@ from graft.operator import pods as podsmod
 from graft.operator.admin import AdminError
 from graft.operator.executor import PodExecutor
 from graft.operator.kube import Kube, KubeError, fleet_path, rollouts_path
+from graft.operator.podcache import PodCache, read_pods
 from graft.operator.revisions import Container, RevisionBook, engine_answer
 from graft.operator.runtime import Runtime, TokenError
 from graft.rollout.actions import ApplyPatch, LabelPod, RevertPatch, SetPatched
@@ -64,14 +66,14 @@ class _Fleet:
         return (self.created, self.name)      # older first; the name breaks a tie
 
 
-async def _fleets(kube: Kube, namespace: str,
-                  bodies: list[dict[str, Any]] | None = None) -> tuple[list[_Fleet], list[dict[str, Any]]]:
+async def _fleets(kube: Kube, namespace: str, bodies: list[dict[str, Any]] | None = None,
+                  cache: PodCache | None = None) -> tuple[list[_Fleet], list[dict[str, Any]]]:
     """Every valid fleet of the namespace (`bodies`, when already read) with the engines it selects
-    now, and those engines.
+    now, and those engines (the pods from `cache`, the operator's, when given).
 
     Membership is judged as everywhere else (`Workloads.vet`): a pod that is no engine of a workload
     belongs to no fleet, so a pod labelled into two fleets' selectors cannot make one stand down."""
-    pods = await podsmod.Workloads(kube, namespace, 0).engines(await podsmod.list_pods(kube, namespace, ""))
+    pods = await podsmod.Workloads(kube, namespace, 0).engines(await read_pods(cache, kube, namespace, None))
     out = []
     for fleet in bodies if bodies is not None else await kube.list(fleet_path(namespace)):
         try:
@@ -197,11 +199,12 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
             old_status, False, Reason.INVALID_SPEC, f"invalid spec: {e}", meta)},
             [(Reason.INVALID_SPEC, f"invalid spec: {e}", "Warning")])
     workloads = podsmod.Workloads(runtime.kube, namespace, runtime.settings.admin_port)
-    raw = await workloads.engines(await podsmod.list_pods(runtime.kube, namespace, spec.selector.to_query()))
+    # from the operator's watch of the namespace (graft.operator.podcache): no list per tick
+    raw = await workloads.engines(await runtime.pod_cache.pods(namespace, spec.selector))
     strangers = [(Reason.NOT_AN_ENGINE, f"pod {pod} is left alone (no label, no admin call): {why}", "Warning")
                  for pod, why in sorted(workloads.refused.items())
                  if runtime.report_once(f"PatchFleet {namespace}/{name}", workloads.uid(pod))]
-    stand_down = await _overlapped(runtime.kube, namespace, body, raw)
+    stand_down = await _overlapped(runtime.kube, namespace, body, raw, runtime.pod_cache)
     if stand_down is not None:
         before = next((c for c in old_status.get("conditions") or [] if c.get("type") == "Converged"), {})
         events = strangers + ([] if before.get("reason") == Reason.FLEET_OVERLAP and before.get("message") == stand_down
@@ -257,7 +260,8 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
     return await _write(runtime, body, status, events)
 
 
-async def _overlapped(kube: Kube, namespace: str, body: dict[str, Any], raw: list[dict[str, Any]]) -> str | None:
+async def _overlapped(kube: Kube, namespace: str, body: dict[str, Any], raw: list[dict[str, Any]],
+                      cache: PodCache | None) -> str | None:
     """Why this fleet must act on no pod (an older fleet selects some of its pods), or None."""
     meta = body["metadata"]
     me = (meta.get("creationTimestamp") or "", meta["name"])
@@ -268,7 +272,7 @@ async def _overlapped(kube: Kube, namespace: str, body: dict[str, Any], raw: lis
                for f in bodies if f["metadata"]["name"] != meta["name"]):
         return None
     mine = frozenset(p["metadata"]["name"] for p in raw)
-    fleets, _ = await _fleets(kube, namespace, bodies)
+    fleets, _ = await _fleets(kube, namespace, bodies, cache)
     older = sorted((f for f in fleets if f.name != meta["name"] and f.pods & mine and f.age < me), key=lambda f: f.age)
     if not older:
         return None
@@ -336,10 +340,11 @@ def fleet_name_for(selector: LabelSelector) -> str:
     return "fleet-" + hashlib.sha256(selector.to_query().encode()).hexdigest()[:10]
 
 
-async def find_fleet(kube: Kube, namespace: str, selector: LabelSelector) -> str | None:
+async def find_fleet(kube: Kube, namespace: str, selector: LabelSelector, cache: PodCache | None = None) -> str | None:
     """The fleet of the pods `selector` picks, if one exists: the fleet with the same selector, else
-    the one selecting exactly the same pods. FleetOverlap when any other fleet selects some of them."""
-    fleets, pods = await _fleets(kube, namespace)
+    the one selecting exactly the same pods. FleetOverlap when any other fleet selects some of them.
+    Pods come from `cache` (the operator's) when given, else are listed."""
+    fleets, pods = await _fleets(kube, namespace, cache=cache)
     return _fleet_of(selector, fleets, _selected(selector, pods))
 
 
@@ -359,9 +364,10 @@ def _fleet_of(selector: LabelSelector, fleets: list[_Fleet], mine: frozenset[str
     return ours.name if ours else None
 
 
-async def find_or_create_fleet(kube: Kube, namespace: str, selector: LabelSelector, stable_revision: str) -> str:
+async def find_or_create_fleet(kube: Kube, namespace: str, selector: LabelSelector, stable_revision: str,
+                               cache: PodCache | None = None) -> str:
     """The fleet whose selector is `selector`; created, adopting what its pods run, when none is."""
-    found = await find_fleet(kube, namespace, selector)
+    found = await find_fleet(kube, namespace, selector, cache)
     if found is not None:
         return found
     query = selector.to_query()
@@ -379,13 +385,13 @@ async def find_or_create_fleet(kube: Kube, namespace: str, selector: LabelSelect
             "metadata": {"name": name, "namespace": namespace}, "spec": spec})
     except KubeError as e:
         # another rollout on this selector created it since we looked (two starting or ending at once)
-        found = await find_fleet(kube, namespace, selector) if e.status == 409 else None
+        found = await find_fleet(kube, namespace, selector, cache) if e.status == 409 else None
         if found is None:
             raise
         return found
     # two rollouts over overlapping pods, starting in the same moment, may each have created one:
     # the younger fleet goes again, and its rollout holds as if it had seen the other in time
-    fleets, pods = await _fleets(kube, namespace)
+    fleets, pods = await _fleets(kube, namespace, cache=cache)
     mine = next((f for f in fleets if f.name == name), None)
     older = [f for f in fleets if mine is not None and f.name != name and f.pods & mine.pods and f.age < mine.age]
     if older:
@@ -434,7 +440,7 @@ async def create_for_gated_pods(runtime: Runtime, namespace: str, selector: Labe
     running = [p for p in pods if _gated(p) and _containers_running(p)]
     if not running or any(podsmod.is_ready(p) for p in pods):
         return None
-    found = await find_fleet(runtime.kube, namespace, selector)
+    found = await find_fleet(runtime.kube, namespace, selector, runtime.pod_cache)
     if found is not None:
         return found
     addresses = [workloads.address(p) for p in running]
@@ -445,7 +451,7 @@ async def create_for_gated_pods(runtime: Runtime, namespace: str, selector: Labe
         return None          # an engine not answering yet: the next tick asks again
     if len(revisions) != 1:
         return None          # adopting one of several revisions would revert the others
-    return await find_or_create_fleet(runtime.kube, namespace, selector, revisions.pop())
+    return await find_or_create_fleet(runtime.kube, namespace, selector, revisions.pop(), runtime.pod_cache)
 
 
 async def record_promotion(kube: Kube, namespace: str, fleet: str, patch: PatchSpec, *, revert: bool = False) -> None:

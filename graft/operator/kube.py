@@ -111,12 +111,13 @@ class Kube:
         return reply.json().get("items") or []
 
     async def watch(self, path: str, *, resource_version: str | None = None, field_selector: str | None = None,
-                    label_selector: str | None = None, timeout_seconds: int | None = None
-                    ) -> AsyncIterator[WatchEvent]:
+                    label_selector: str | None = None, timeout_seconds: int | None = None,
+                    bookmarks: bool = False) -> AsyncIterator[WatchEvent]:
         """The changes of a collection from `resource_version` on, in order, as `WatchEvent`s, until
         the API server ends the watch (after `timeout_seconds`). A version too old to watch from is
-        KubeError 410 (Expired): read the collection anew. BOOKMARK events are left out."""
-        params: dict[str, Any] = {"watch": "true", "allowWatchBookmarks": "false"}
+        KubeError 410 (Expired): read the collection anew. BOOKMARK events (only a newer
+        resourceVersion to resume from) are asked for and passed on with `bookmarks`, else left out."""
+        params: dict[str, Any] = {"watch": "true", "allowWatchBookmarks": "true" if bookmarks else "false"}
         for key, value in (("resourceVersion", resource_version), ("fieldSelector", field_selector),
                            ("labelSelector", label_selector), ("timeoutSeconds", timeout_seconds)):
             if value is not None:
@@ -135,7 +136,7 @@ class Kube:
                 if kind == "ERROR":         # the watch's own end: a Status (410 when the version expired)
                     raise KubeError(int(obj.get("code") or 500), obj.get("message") or "watch error",
                                     obj.get("reason") or "")
-                if kind != "BOOKMARK":
+                if kind != "BOOKMARK" or bookmarks:
                     yield WatchEvent(kind, obj)
 
     async def list_object(self, path: str, **params: str) -> dict[str, Any]:

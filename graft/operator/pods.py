@@ -183,6 +183,7 @@ def observe_pod(pod: dict[str, Any]) -> PodObservation:
     )
 
 
-async def label_pod(kube: Kube, namespace: str, name: str, track: str, revision: str) -> None:
-    await kube.merge_patch(pods_path(namespace, name), {"metadata": {
+async def label_pod(kube: Kube, namespace: str, name: str, track: str, revision: str) -> dict[str, Any] | None:
+    """Label and annotate the pod; the pod as the API server answered (None: gone)."""
+    return await kube.merge_patch(pods_path(namespace, name), {"metadata": {
         "labels": {TRACK_LABEL: track}, "annotations": {PATCHES_ANNOTATION: revision}}})

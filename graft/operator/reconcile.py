@@ -21,6 +21,7 @@ from graft.operator.fleet import (FleetOverlap, active_rollout, create_for_gated
 from graft.operator.kube import cluster_template_path, fleet_path, rollout_path, template_path
 from graft.operator.pods import AddressError
 from graft.operator.problems import PrometheusRefused, SecretError, TokenError
+from graft.operator.revisions import Container, engine_answer
 from graft.operator.routers import RouteError, Router, router_for
 from graft.operator.runtime import Runtime
 from graft.rollout import loop
@@ -202,6 +203,7 @@ class Reconciliation:
         self.promote_done = False                # a promote control acts once, not once per round
         self.resume_done = False                 # and so does a resume
         self.hook_answers: dict[str, HookAnswer] = {}   # what the gate webhooks said this tick
+        self.questions = asyncio.Semaphore(runtime.settings.fleet_admin_concurrency)   # engines asked at once
         self.hold: tuple[str, str] | None = None        # why `start` held a Pending rollout (reason, message)
         self.refused_start: HookAnswer | None = None    # a pre-rollout webhook that failed
         self.status = RolloutStatus()
@@ -232,7 +234,7 @@ class Reconciliation:
         try:
             if status.phase != PENDING and not status.fleet:
                 status.fleet = await find_or_create_fleet(self.runtime.kube, self.namespace, self.spec.selector,
-                                                          status.stable_revision)
+                                                          status.stable_revision, self.runtime.pod_cache)
             elif status.phase == PENDING and status.reason == Reason.NO_PODS:
                 # pods held by the readiness gate need a fleet before this rollout can see them Ready
                 await create_for_gated_pods(self.runtime, self.namespace, self.spec.selector,
@@ -263,7 +265,7 @@ class Reconciliation:
         try:
             if not status.fleet:
                 status.fleet = await find_or_create_fleet(self.runtime.kube, self.namespace, self.spec.selector,
-                                                          status.stable_revision)
+                                                          status.stable_revision, self.runtime.pod_cache)
         except FleetOverlap as e:
             self.overlap = str(e)
             return False
@@ -300,7 +302,7 @@ class Reconciliation:
         """One rollout per fleet at a time: a second one waits, Pending (Queued), for the first to end.
         One whose pods another fleet also selects holds, Pending (FleetOverlap)."""
         try:
-            fleet = await find_fleet(self.runtime.kube, self.namespace, self.spec.selector)
+            fleet = await find_fleet(self.runtime.kube, self.namespace, self.spec.selector, self.runtime.pod_cache)
         except FleetOverlap as e:
             self.problem = Problem(Reason.FLEET_OVERLAP, f"holding: {e}")
             return
@@ -327,7 +329,8 @@ class Reconciliation:
             admin = await self.runtime.admin()
         except TokenError as e:
             problem = problem or e.problem
-        picked = await podsmod.list_pods(self.runtime.kube, self.namespace, self.spec.selector.to_query())
+        # from the operator's watch of the namespace (graft.operator.podcache), not a list per round
+        picked = await self.runtime.pod_cache.pods(self.namespace, self.spec.selector)
         raw = await self.workloads.engines(picked)
         self.pods = self.executor.pods = {p["metadata"]["name"]: p for p in raw}
         if not raw and picked:
@@ -359,7 +362,10 @@ class Reconciliation:
         if pod.revision is not None or not pod.ready or admin is None or pod.error is not None:
             return
         try:
-            answer = await admin.state(*self.executor.address(pod.name))
+            # what the operator knows of this very container (its own applies, the fleet's answers)
+            # first; an engine is asked only beyond it, a few at a time (graft.operator.revisions)
+            answer = await engine_answer(self.runtime.revisions, admin, self.executor.address(pod.name),
+                                         Container.of(pod), self.questions)
             pod.revision = answer.revision
             self.runtime.unauthorized.pop(f"{self.namespace}/{pod.name}", None)
         except (AdminError, AddressError) as e:

@@ -19,6 +19,7 @@ from graft.operator.hooks import HookCaller
 from graft.operator.metrics import OperatorMetrics
 from graft.operator.notify import Notifier, receivers_from_env
 from graft.operator.outbox import Outbox
+from graft.operator.podcache import PodCache
 from graft.operator.problems import PrometheusRefused, SecretError, TokenError
 from graft.operator.prometheus import PrometheusProvider, address_allowed
 from graft.operator.revisions import RecordingAdmin, RevisionBook
@@ -39,6 +40,8 @@ class Runtime:
         # what each engine runs, known from the operator's own applies and reverts (every one goes
         # through this client) and from container identity; the fleet asks engines only beyond it
         self.revisions = RevisionBook(settings.fleet_resync)
+        # the pods of each namespace acted in, kept by a watch: ticks read them without listing
+        self.pod_cache = PodCache(lambda: self.kube, watch_seconds=settings.pod_watch_seconds)
         self._admin = RecordingAdmin(AdminClient(
             settings.admin_token, scheme=settings.admin_scheme, timeout=settings.admin_timeout,
             concurrency=settings.admin_concurrency, retries=settings.admin_retries, ca_file=settings.admin_ca_file,
@@ -191,6 +194,7 @@ class Runtime:
         await self.outbox.aclose()
         await self.hooks.aclose()
         await self._admin.aclose()
+        await self.pod_cache.aclose()
         for provider in self._providers.values():
             await provider.aclose()
         if self.kube is not None:

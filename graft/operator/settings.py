@@ -27,7 +27,8 @@ operator and the engines at different moments) before the rollout fails.
 The fleet controller knows what each engine runs from what the operator did and from its
 container's identity (graft.operator.revisions), and asks an engine again only after
 `GRAFT_FLEET_RESYNC_SECONDS` (300, jittered), at most `GRAFT_FLEET_ADMIN_CONCURRENCY` (8) questions
-of one fleet in flight at once.
+of one fleet or one rollout in flight at once. Both read pods from one list-then-watch per
+namespace (graft.operator.podcache), each watch request resumed after `GRAFT_POD_WATCH_SECONDS`.
 
 Prometheus: `GRAFT_PROMETHEUS_ADDRESS` for rollouts that name none; a rollout may name another
 only when it lies under one of `GRAFT_PROMETHEUS_ALLOWED` (comma-separated URL prefixes: scheme,
@@ -120,7 +121,9 @@ class OperatorSettings:
     fleet_resync: float = setting(300.0, env="GRAFT_FLEET_RESYNC_SECONDS", positive=True,
                                   help="seconds before an engine's known revision is asked again (jittered)")
     fleet_admin_concurrency: int = setting(8, env="GRAFT_FLEET_ADMIN_CONCURRENCY", minimum=1,
-                                           help="a fleet's revision questions in flight at once")
+                                           help="a fleet's or a rollout's revision questions in flight at once")
+    pod_watch_seconds: int = setting(300, env="GRAFT_POD_WATCH_SECONDS", minimum=1,
+                                     help="seconds one pod watch request runs before it is resumed")
     prometheus_timeout: float = setting(5.0, env="GRAFT_PROMETHEUS_TIMEOUT", positive=True,
                                         help="seconds per Prometheus query")
     prometheus_address: str = setting("http://prometheus.monitoring:9090", env="GRAFT_PROMETHEUS_ADDRESS",

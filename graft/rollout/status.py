@@ -190,6 +190,9 @@ class RolloutStatus:
     analysis: AnalysisStatus = field(default_factory=AnalysisStatus)
     # the latest analysis runs, oldest first, at most spec.analysis.measurementRetention of them
     analysis_history: list[AnalysisRun] = field(default_factory=list)
+    # where each pod's record was last found in `pods` (a hint, checked on every use): a lookup by
+    # name per pod per decision would otherwise scan the list, quadratic in the fleet's size
+    _pod_at: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     def record_analysis(self, retention: int) -> None:
         """Keep the analysis run just made (status.analysis) in the history, trimmed to `retention` runs."""
@@ -200,7 +203,15 @@ class RolloutStatus:
         del self.analysis_history[:max(0, len(self.analysis_history) - retention)]
 
     def pod(self, name: str) -> PodRecord | None:
-        return next((p for p in self.pods if p.name == name), None)
+        """The record of pod `name`, or None. `pods` is changed in place (appended, removed, sorted,
+        replaced), so the position remembered for a name is only a hint: it is used when the record
+        there still has that name, and all positions are taken anew when it has not."""
+        pods, at = self.pods, self._pod_at.get(name)
+        if at is not None and at < len(pods) and pods[at].name == name:
+            return pods[at]
+        self._pod_at = {p.name: i for i, p in enumerate(pods)}
+        at = self._pod_at.get(name)
+        return pods[at] if at is not None else None
 
     def copy(self) -> "RolloutStatus":
         """A copy to change; the kept analysis runs are shared, never changed once kept (a copy of
@@ -252,7 +263,7 @@ class RolloutStatus:
     def from_dict(cls, d: dict[str, Any] | None) -> "RolloutStatus":
         m = _read(model.PatchRolloutStatus, d)
         plain = _given(m, *(f.name for f in dataclasses.fields(cls)
-                            if f.name not in ("pods", "analysis", "analysis_history", "pause_conditions", "conditions")))
+                            if f.name not in ("pods", "analysis", "analysis_history", "pause_conditions", "conditions", "_pod_at")))
         return cls(**plain,
                    pods=[PodRecord._of(p) for p in m.pods or ()],
                    analysis=AnalysisStatus._of(m.analysis),

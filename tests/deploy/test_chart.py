@@ -798,3 +798,25 @@ def test_a_notification_receiver_without_a_secret_or_of_an_unknown_kind_is_refus
     with pytest.raises((helm.HelmValuesError, helm.HelmRenderError)) as err:
         render(chart, {"notifications": {"receivers": [receiver]}})
     assert "/notifications/receivers/0" in str(err.value)
+
+
+def test_operator_gets_the_fleet_settings_from_values(chart):
+    values = {"operator": {"fleet": {"resyncSeconds": 600, "adminConcurrency": 4, "podWatchSeconds": 120}}}
+    (operator,) = containers(one(render(chart, values), "StatefulSet"))
+    env = env_of(operator)
+    assert env["GRAFT_FLEET_RESYNC_SECONDS"]["value"] == "600"
+    assert env["GRAFT_FLEET_ADMIN_CONCURRENCY"]["value"] == "4"
+    assert env["GRAFT_POD_WATCH_SECONDS"]["value"] == "120"
+    # the operator starts with the environment the chart gives it
+    settings = OperatorSettings.from_env({k: e["value"] for k, e in env_of(operator).items() if "value" in e})
+    assert (settings.fleet_resync, settings.fleet_admin_concurrency, settings.pod_watch_seconds) == (600.0, 4, 120)
+    defaults = OperatorSettings.from_env({k: e["value"] for k, e in env_of(one_operator(chart)).items()
+                                          if "value" in e})
+    assert (defaults.fleet_resync, defaults.fleet_admin_concurrency, defaults.pod_watch_seconds) == (300.0, 8, 300)
+    with pytest.raises(Exception, match="adminConcurrency"):
+        render(chart, {"operator": {"fleet": {"resyncSeconds": 300, "adminConcurrency": 0, "podWatchSeconds": 300}}})
+
+
+def one_operator(chart):
+    (operator,) = containers(one(render(chart, {}), "StatefulSet"))
+    return operator

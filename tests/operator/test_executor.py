@@ -11,6 +11,7 @@ from graft.api import Reason
 from graft.operator.admin import AdminClient
 from graft.operator.executor import PodExecutor
 from graft.operator.kube import Kube
+from graft.operator.podcache import PodCache
 from graft.operator.problems import TokenError
 from graft.rollout.actions import ApplyPatch, LabelPod, RevertPatch, SetPatched, apply_patch
 from graft.rollout.observation import Problem
@@ -33,6 +34,7 @@ class Runtime:
     def __init__(self, kube, admin, token_missing=False):
         self.kube, self._admin, self.token_missing = kube, admin, token_missing
         self.unauthorized = {}
+        self.pod_cache = PodCache(lambda: kube)      # told of the pods the executor writes
 
     async def admin(self):
         if self.token_missing:
