@@ -264,6 +264,9 @@ async def run_case(cfg: OperatorBenchConfig, prometheus: PrometheusServer, fleet
     """One configuration: fleets (namespace -> pods) at rest, then `rollouts` of them rolling at once."""
     from graft.bench.standins import StandIns
 
+    # the machine's 1-minute load when the case began: CPU time and call counts hold under load,
+    # wall times (convergence, canaries, lateness) do not
+    load = round(os.getloadavg()[0], 2)
     standins = StandIns(fleets, latency=cfg.latency, failure_rate=cfg.failure_rate).start()
     operator = None
     try:
@@ -301,7 +304,8 @@ async def run_case(cfg: OperatorBenchConfig, prometheus: PrometheusServer, fleet
                     rest = await sampler.ticks(cfg.ticks, cfg.tick, advance)
                 result: dict[str, Any] = {"label": label, "fleets": len(fleets), "pods_per_fleet": max(fleets.values()),
                                           "pods": sum(fleets.values()), "rollouts": rollouts,
-                                          "converge_s": round(converge_s, 2), "rest": rest, "rolling": []}
+                                          "converge_s": round(converge_s, 2), "rest": rest, "rolling": [],
+                                          "load_1m": load}
                 if rollouts:
                     result.update(await _roll(cfg, kube, api, standins, operator, sampler, list(fleets)[:rollouts],
                                               fleets, label))
@@ -369,7 +373,7 @@ def summarize(case: dict[str, Any]) -> dict[str, Any]:
                 "prometheus_queries": _median([s["prometheus_queries"] for s in samples]),
                 "rss_mb": round(max(s["rss_bytes"] for s in samples) / 2**20, 1)}
     out = {"label": case["label"], "pods": case["pods"], "fleets": case["fleets"], "rollouts": case["rollouts"],
-           "converge_s": case["converge_s"], "rest": per_tick(case["rest"])}
+           "converge_s": case["converge_s"], "rest": per_tick(case["rest"]), "load_1m": case.get("load_1m")}
     if case.get("rolling"):
         out["rolling"] = per_tick(case["rolling"])
         times = list(case["all_canaries_patched_s"].values())

@@ -47,6 +47,7 @@ from graft.rollout.fleet import (PATCHED_CONDITION, FleetPod, adopt, converge, d
 from graft.api import ACTIVE_PHASES, Reason
 from graft.rollout.spec import (FleetSpec, LabelSelector, PatchSpec, SpecError, parse_fleet_spec,
                                 parse_selector, patch_to_dict)
+from graft.rollout.observation import PodObservation
 from graft.rollout.status import PENDING, from_time, to_time
 
 
@@ -134,17 +135,18 @@ def _gate_outlived(pod: dict[str, Any]) -> bool:
     return any(t is not None and t >= math.floor(opened) for t in started)
 
 
-def _renewed_gates(raw: list[dict[str, Any]], pods: list[FleetPod], converged: list[str]) -> list[SetPatched]:
-    """Gates that vouch for a container that is gone: closed until the new one is seen running the
-    fleet's revision (so it is not Ready, and takes no traffic, before its engine has been checked;
-    a container that runs counts as running before it is ready, so "not converged yet" is what
-    closes the gate, not "not running"), renewed once it does."""
-    outlived = {p["metadata"]["name"] for p in raw if _gate_outlived(p)}
+def _renewed_gates(outlived_pods: list[dict[str, Any]], pods: list[FleetPod], converged: list[str]) -> list[SetPatched]:
+    """Gates that vouch for a container that is gone (`outlived_pods`, `_gate_outlived`): closed
+    until the new one is seen running the fleet's revision (so it is not Ready, and takes no
+    traffic, before its engine has been checked; a container that runs counts as running before it
+    is ready, so "not converged yet" is what closes the gate, not "not running"), renewed once it does."""
+    outlived = {p["metadata"]["name"] for p in outlived_pods}
+    done = set(converged)
     out = []
     for pod in pods:
         if pod.name not in outlived:
             continue
-        if pod.name in converged:
+        if pod.name in done:
             out.append(SetPatched(pod.name, True, f"runs {pod.revision}"))
         else:
             out.append(SetPatched(pod.name, False, "its container restarted: checked again once it runs"))
@@ -219,7 +221,10 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
     # engines are asked only where the operator's knowledge is missing or stale (graft.operator.revisions)
     runtime.revisions.prune()
     limit = asyncio.Semaphore(runtime.settings.fleet_admin_concurrency)
-    fleet_pods = await asyncio.gather(*(_observe(workloads, admin, p, runtime.revisions, limit) for p in raw))
+    seen = [_observe(workloads, p, runtime.revisions, runtime.pod_cache) for p in raw]
+    # only the engines the book does not know are asked (a task each): at rest, a few a tick
+    await asyncio.gather(*(_ask(fp, admin, *question, runtime.revisions, limit) for fp, question in seen if question))
+    fleet_pods = [fp for fp, _ in seen]
     # The rollout and the fleet's patches are read only now, after the engines: a rollout stores its
     # status (active, on this fleet) before it touches a pod, and records a promotion here before it
     # stores Promoted, so an engine seen running a rollout's patch is never taken for drift and reverted.
@@ -228,7 +233,8 @@ async def reconcile_fleet(runtime: Runtime, body: dict[str, Any]) -> FleetResult
     spec = await _reread(runtime, namespace, name, spec)
     plan = converge(spec.patches, list(fleet_pods), rollout_patch=rollout_patch,
                     rollout_pods=_rollout_labels(rollout, fleet_pods))
-    plan.actions += _renewed_gates(raw, fleet_pods, plan.converged)
+    plan.actions += _renewed_gates([p for p in raw if runtime.pod_cache.derived(p, _facts).outlived], fleet_pods,
+                                   plan.converged)
     executor = PodExecutor(runtime, namespace, workloads, {p["metadata"]["name"]: p for p in raw})
     errors: dict[str, str] = {}
     failed: list[str] = []
@@ -291,23 +297,55 @@ async def _reread(runtime: Runtime, namespace: str, name: str, spec: FleetSpec) 
         return spec
 
 
-async def _observe(workloads: podsmod.Workloads, admin, pod: dict[str, Any], book: RevisionBook,
-                   limit: asyncio.Semaphore) -> FleetPod:
-    obs = podsmod.observe_pod(pod)
-    fp = FleetPod(obs.name, running=_containers_running(pod), ready=obs.ready, track=obs.track,
-                  patches=obs.patches, patched=_patched(pod))
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    """What a fleet tick reads of one version of a pod (worked out once per version: `PodCache.derived`)."""
+    obs: PodObservation
+    running: bool
+    patched: bool | None
+    outlived: bool
+
+
+def _facts(pod: dict[str, Any]) -> _Facts:
+    return _Facts(podsmod.observe_pod(pod), _containers_running(pod), _patched(pod), _gate_outlived(pod))
+
+
+def _observe(workloads: podsmod.Workloads, pod: dict[str, Any], book: RevisionBook,
+             cache: PodCache) -> tuple[FleetPod, tuple[tuple[str, int], Container] | None]:
+    """The pod as the fleet sees it, what its engine runs filled in from `book` when known; and
+    the question to ask its engine (its address and container) when not, else None."""
+    facts = cache.derived(pod, _facts)
+    obs = facts.obs
+    fp = FleetPod(obs.name, running=facts.running, ready=obs.ready, track=obs.track,
+                  patches=obs.patches, patched=facts.patched)
     if not fp.running:
-        return fp
+        return fp, None
     try:
         address = workloads.address(pod)
-        if address is None:
-            fp.error = "no pod IP yet"
-            return fp
-        answer = await engine_answer(book, admin, address, Container.of(obs), limit)
-        fp.revision, fp.awaiting, fp.configs, fp.digests = answer.revision, answer.awaiting, answer.configs, answer.digests
-    except (AdminError, podsmod.AddressError) as e:
+    except podsmod.AddressError as e:
         fp.error = str(e)
-    return fp
+        return fp, None
+    if address is None:
+        fp.error = "no pod IP yet"
+        return fp, None
+    container = Container.of(obs)
+    known = book.known(address, container)
+    if known is None:
+        return fp, (address, container)
+    _runs(fp, known)
+    return fp, None
+
+
+async def _ask(fp: FleetPod, admin, address: tuple[str, int], container: Container, book: RevisionBook,
+               limit: asyncio.Semaphore) -> None:
+    try:
+        _runs(fp, await engine_answer(book, admin, address, container, limit))
+    except AdminError as e:
+        fp.error = str(e)
+
+
+def _runs(fp: FleetPod, answer) -> None:
+    fp.revision, fp.awaiting, fp.configs, fp.digests = answer.revision, answer.awaiting, answer.configs, answer.digests
 
 
 def _conditions(old: dict[str, Any], ok: bool, reason: str, message: str, meta: dict[str, Any]) -> list[dict]:

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -32,6 +32,7 @@ from graft.rollout.spec import LabelSelector
 log = logging.getLogger(__name__)
 
 Pod = dict[str, Any]
+T = TypeVar("T")
 
 
 def _version(obj: dict[str, Any]) -> int | None:
@@ -49,6 +50,8 @@ class _Namespace:
         self.pods: dict[str, Pod] = {p["metadata"]["name"]: p for p in items}
         self.version = version
         self.task: asyncio.Task | None = None
+        # name -> {function: (the pod version it was computed from, its value)}
+        self.derived: dict[str, dict[Callable, tuple[Pod, Any]]] = {}
 
     def put(self, pod: Pod) -> None:
         """Keep `pod` unless the cache already holds a newer version of it."""
@@ -58,12 +61,14 @@ class _Namespace:
         if held is not None and new is not None and old is not None and old > new:
             return
         self.pods[name] = pod
+        self.derived.pop(name, None)
 
     def drop(self, pod: Pod) -> None:
         name = pod["metadata"]["name"]
         held = self.pods.get(name)
         if held is not None and (held["metadata"].get("uid") in (None, pod["metadata"].get("uid"))):
             del self.pods[name]
+            self.derived.pop(name, None)
 
 
 class PodCache:
@@ -88,6 +93,19 @@ class PodCache:
                        if not p["metadata"].get("deletionTimestamp")
                        and (selector is None or selector.matches(p["metadata"].get("labels") or {}))),
                       key=lambda p: p["metadata"]["name"])
+
+    def derived(self, pod: Pod, fn: Callable[[Pod], T]) -> T:
+        """`fn(pod)`, computed once per version of a pod this cache gave out (a pod that does not
+        change costs a tick nothing to read again); `fn` must read nothing but the pod."""
+        meta = pod["metadata"]
+        ns = self._namespaces.get(meta.get("namespace") or "")
+        if ns is None or ns.pods.get(meta["name"]) is not pod:
+            return fn(pod)
+        memo = ns.derived.setdefault(meta["name"], {})
+        held = memo.get(fn)
+        if held is None or held[0] is not pod:
+            held = memo[fn] = (pod, fn(pod))
+        return held[1]
 
     def saw(self, pod: Pod | None) -> None:
         """A pod as the API server answered one of the operator's own writes to it."""
@@ -120,7 +138,7 @@ class PodCache:
             try:
                 if ns.version is None:
                     items, ns.version = await self._list(ns.name)
-                    ns.pods = {}
+                    ns.pods, ns.derived = {}, {}
                     for pod in items:
                         ns.put(pod)
                 self.watches += 1

@@ -8,6 +8,7 @@ lock is held, so the next reconciliation always starts from it.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -338,8 +339,10 @@ class Reconciliation:
                              for p in picked[:3])
             problem = problem or Problem(Reason.NOT_AN_ENGINE, f"no engine pod matches the selector "
                                                         f"{self.spec.selector.to_query()}, only pods left alone ({left})")
-        observed = [podsmod.observe_pod(p) for p in raw]
-        await asyncio.gather(*(self.revision(status, pod, admin) for pod in observed))
+        # each pod version is read once (PodCache.derived), and a copy filled in for this round
+        observed = [copy.copy(self.runtime.pod_cache.derived(p, podsmod.observe_pod)) for p in raw]
+        asks = [pod for pod in observed if self.settle(status, pod, admin)]
+        await asyncio.gather(*(self.revision(pod, admin) for pod in asks))
         problem = problem or self.problem         # what the engines' answers showed (check_code)
         route_weight = None
         try:
@@ -356,11 +359,23 @@ class Reconciliation:
                            int(self.body["metadata"].get("generation") or 0), self.name,
                            await self.stable_patch(status), hooks=self.hook_answers)
 
-    async def revision(self, status: RolloutStatus, pod: PodObservation, admin: AdminClient | None) -> None:
+    def settle(self, status: RolloutStatus, pod: PodObservation, admin: AdminClient | None) -> bool:
+        """Fill in what is known of the pod's engine without asking it: this tick's answers, the
+        status's record of this very container, the operator's revision book. True: ask the engine."""
         pod.revision = self.answered.get(pod.name) or known_revision(status, pod)
         pod.error = self.errors.get(pod.name)
         if pod.revision is not None or not pod.ready or admin is None or pod.error is not None:
-            return
+            return False
+        address = self.workloads.address(self.pods[pod.name])
+        known = self.runtime.revisions.known(address, Container.of(pod)) if address is not None else None
+        if known is None:
+            return True
+        pod.revision = known.revision
+        self.check_code(pod.name, known)
+        return False
+
+    async def revision(self, pod: PodObservation, admin: AdminClient) -> None:
+        """Ask the pod's engine what it runs (GET /admin/patches), a few engines at a time."""
         try:
             # what the operator knows of this very container (its own applies, the fleet's answers)
             # first; an engine is asked only beyond it, a few at a time (graft.operator.revisions)
