@@ -144,7 +144,7 @@ class PodCache:
                 self.watches += 1
                 kube = self._kube()
                 async for event in kube.watch(pods_path(ns.name), resource_version=ns.version,
-                                                      timeout_seconds=self.watch_seconds, bookmarks=True):
+                                              timeout_seconds=self.watch_seconds, bookmarks=True):
                     version = (event.object.get("metadata") or {}).get("resourceVersion")
                     if event.type == "DELETED":
                         ns.drop(event.object)
@@ -153,11 +153,13 @@ class PodCache:
                     if version:
                         ns.version = version
                     failures = 0
+                failures = 0        # the server ended the watch in time: resumed from ns.version
             except asyncio.CancelledError:
                 raise
-            except (KubeError, httpx.HTTPError, ValueError) as e:
+            except Exception as e:    # noqa: BLE001 - nothing may end the watch for good
                 # 410 Gone: the version is older than the server keeps; anything else: the watch
-                # broke off. Either way the pods are read anew, so no change can be missed.
+                # broke off (a dropped connection, a client closed by a new login, a bug). Either
+                # way the pods are read anew, so no change can be missed.
                 ns.version = None
                 gone = isinstance(e, KubeError) and e.status == 410
                 # a first 410 is listed again at once; a server that keeps refusing is given time
@@ -165,15 +167,11 @@ class PodCache:
                 failures += 1
                 if gone:
                     log.info("pod watch of namespace %s: %s; listing again", ns.name, e)
-                    await asyncio.sleep(pause)
-                    continue
-                log.warning("pod watch of namespace %s broke off (%s: %s); listing again in %.0f s",
-                            ns.name, type(e).__name__, e, pause)
+                else:
+                    log.warning("pod watch of namespace %s broke off (%s: %s); listing again in %.0f s",
+                                ns.name, type(e).__name__, e, pause,
+                                exc_info=not isinstance(e, (KubeError, httpx.HTTPError, ValueError)))
                 await asyncio.sleep(pause)
-            except Exception:    # noqa: BLE001 - a bug must not end the watch for good
-                log.exception("pod watch of namespace %s failed; listing again", ns.name)
-                ns.version = None
-                await asyncio.sleep(self.max_retry)
 
     async def aclose(self) -> None:
         self._closed = True
