@@ -37,7 +37,7 @@ def test_a_custom_value_is_said_with_its_threshold():
     assert (bad.verdict, bad.message) == ("Failed", "kv-fragmentation 0.3 over 60s breaches <= 0.25")
     good = judge(FRAGMENTATION, {"value": 0.123456})
     assert (good.verdict, good.message) == ("Successful", "kv-fragmentation 0.1235 over 60s within <= 0.25")
-    assert good.numbers == {"measured": pytest.approx(0.123456)}
+    assert good.numbers == {"measured": pytest.approx(0.123456), "limit": 0.25}
 
 
 ERR_GATE = spec_with(breakers=[], gates=[{"name": "error-rate", "max": 0.005, "window": "60s"}])
