@@ -1,8 +1,10 @@
 """The Prometheus metrics provider: runs each check's planned queries over HTTP, with timeouts.
 
 Speaks the HTTP API (`/api/v1/query`) directly through httpx, so a rollout's Prometheus may sit
-behind auth (a bearer token from a Secret, extra headers) and TLS, which is verified (against the
-system's CAs, or a CA bundle from a Secret).
+behind auth (a bearer token, basic auth or OAuth2 client credentials, with their secrets from
+Secrets; extra headers) and TLS, which is verified (against the system's CAs, or a CA bundle from a
+Secret) and may present a client certificate (mTLS). An OAuth2 access token is asked for once and
+kept until shortly before its `expires_in`, and asked for again once after a 401.
 
 A query that cannot be answered (Prometheus unreachable, refused, a bad query, a timeout, several
 series where one number is needed, an infinite value) makes its check's Measurement carry `error`:
@@ -18,8 +20,14 @@ address outside the operator's allow-list is refused before anything is read or 
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
 import ssl
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
 from urllib.parse import SplitResult, unquote, urlsplit
 
 import httpx
@@ -44,15 +52,113 @@ class ProviderError(Exception):
         self.outage = outage or kind == TRANSPORT     # Prometheus down or restarting: it passes by itself
 
 
+TOKEN_MARGIN = 30.0        # an OAuth2 token is asked for again this long before it expires
+
+
+def basic_header(username: str, password: str) -> str:
+    """The Authorization header of HTTP basic authentication."""
+    return "Basic " + base64.b64encode(f"{username}:{password}".encode()).decode()
+
+
+@dataclass(frozen=True, slots=True)
+class OAuth2Login:
+    """OAuth2 client credentials (RFC 6749 4.4), with the client secret as read from its Secret."""
+
+    token_url: str
+    client_id: str
+    client_secret: str
+    scopes: tuple[str, ...] = ()
+
+
+class OAuth2Auth(httpx.Auth):
+    """Bearer tokens from a token endpoint: one token for every query until shortly before it expires,
+    a new one once after a 401. Concurrent queries wait for the one token request in flight."""
+
+    def __init__(self, login: OAuth2Login):
+        self.login = login
+        self.token: str | None = None
+        self.expires = 0.0
+        self.requests = 0                   # token requests made (the bench and the tests read it)
+        self._lock = asyncio.Lock()
+
+    def _token_request(self) -> httpx.Request:
+        # client_secret_basic: the credentials form-encoded, then as HTTP basic (RFC 6749 2.3.1)
+        user, secret = quote(self.login.client_id, safe=""), quote(self.login.client_secret, safe="")
+        data = {"grant_type": "client_credentials"}
+        if self.login.scopes:
+            data["scope"] = " ".join(self.login.scopes)
+        return httpx.Request("POST", self.login.token_url, data=data,
+                             headers={"Authorization": basic_header(user, secret), "Accept": "application/json"})
+
+    def _take(self, reply: httpx.Response) -> None:
+        where = f"the OAuth2 token endpoint {self.login.token_url}"
+        try:
+            body = reply.json()
+        except ValueError:
+            body = None
+        if reply.status_code != 200 or not isinstance(body, dict) or not isinstance(body.get("access_token"), str):
+            why = body.get("error") if isinstance(body, dict) and body.get("error") else f"HTTP {reply.status_code}"
+            raise ProviderError(HTTP, f"{where} gave no access token ({why})",
+                                outage=reply.status_code >= 500)
+        expires_in = body.get("expires_in")
+        ttl = float(expires_in) if isinstance(expires_in, (int, float)) and expires_in > 0 else 3600.0
+        self.token, self.expires = body["access_token"], time.monotonic() + max(ttl - TOKEN_MARGIN, ttl / 2)
+
+    async def async_auth_flow(self, request: httpx.Request):
+        async with self._lock:
+            if self.token is None or time.monotonic() >= self.expires:
+                self.requests += 1
+                reply = yield self._token_request()
+                await reply.aread()
+                self._take(reply)
+            used = self.token
+        request.headers["Authorization"] = f"Bearer {used}"
+        response = yield request
+        if response.status_code == 401:
+            async with self._lock:
+                if self.token == used:      # not yet replaced by another query's retry
+                    self.requests += 1
+                    reply = yield self._token_request()
+                    await reply.aread()
+                    self._take(reply)
+                fresh = self.token
+            request.headers["Authorization"] = f"Bearer {fresh}"
+            yield request
+
+    def sync_auth_flow(self, request: httpx.Request):
+        raise RuntimeError("OAuth2Auth serves the operator's async client only")
+
+
+def tls_context(ca_pem: str | None, client_cert: tuple[str, str] | None) -> ssl.SSLContext | bool:
+    """What httpx verifies with: the system's CAs or `ca_pem`, presenting `client_cert` (PEM
+    certificate, PEM key) when given."""
+    if not ca_pem and not client_cert:
+        return True
+    context = ssl.create_default_context(cadata=ca_pem or None)
+    if client_cert:
+        # ssl loads a client certificate from files only: written for the moment it takes, mode 0600
+        with tempfile.TemporaryDirectory() as folder:
+            cert, key = Path(folder, "cert.pem"), Path(folder, "key.pem")
+            for path, data in ((cert, client_cert[0]), (key, client_cert[1])):
+                path.write_text(data)
+                path.chmod(0o600)
+            try:
+                context.load_cert_chain(cert, key)
+            except ssl.SSLError as e:
+                raise ProviderError(HTTP, f"the client certificate and key do not load: {e.reason or e}") from None
+    return context
+
+
 class PrometheusProvider:
     def __init__(self, address: str, timeout: float = 5.0, *, headers: dict[str, str] | None = None,
-                 ca_pem: str | None = None, transport: httpx.AsyncBaseTransport | None = None):
+                 ca_pem: str | None = None, transport: httpx.AsyncBaseTransport | None = None,
+                 oauth2: OAuth2Login | None = None, client_cert: tuple[str, str] | None = None):
         self.address, self.timeout = address.rstrip("/"), timeout
-        verify: ssl.SSLContext | bool = True
-        if ca_pem:
-            verify = ssl.create_default_context(cadata=ca_pem)
-        self._client = httpx.AsyncClient(base_url=self.address, headers=headers or {}, verify=verify,
-                                         timeout=httpx.Timeout(timeout + 1.0), transport=transport)
+        self.oauth2 = OAuth2Auth(oauth2) if oauth2 is not None else None
+        self._client = httpx.AsyncClient(base_url=self.address, headers=headers or {},
+                                         verify=tls_context(ca_pem, client_cert),
+                                         timeout=httpx.Timeout(timeout + 1.0), transport=transport,
+                                         auth=self.oauth2)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -67,6 +173,9 @@ class PrometheusProvider:
         except httpx.HTTPError as e:
             raise ProviderError(TRANSPORT, f"Prometheus at {self.address} is unreachable: "
                                            f"{type(e).__name__}: {e}") from None
+        except ssl.SSLError as e:       # TLS 1.3 says a client certificate is missing after the handshake
+            raise ProviderError(HTTP, f"Prometheus at {self.address} refused the TLS connection: "
+                                      f"{e.reason or e}") from None
         if r.status_code in (401, 403):
             raise ProviderError(HTTP, f"Prometheus at {self.address} refused the credentials (HTTP {r.status_code})")
         try:

@@ -21,7 +21,7 @@ from graft.operator.notify import Notifier, receivers_from_env
 from graft.operator.outbox import Outbox
 from graft.operator.podcache import PodCache
 from graft.operator.problems import PrometheusRefused, SecretError, TokenError
-from graft.operator.prometheus import PrometheusProvider, address_allowed
+from graft.operator.prometheus import OAuth2Login, PrometheusProvider, address_allowed, basic_header
 from graft.operator.revisions import RecordingAdmin, RevisionBook
 from graft.operator.settings import OperatorSettings
 from graft.rollout.observation import Problem
@@ -134,8 +134,12 @@ class Runtime:
                            f"operator may ask (allowed: {', '.join(s.prometheus_prefixes)}; the cluster "
                            "administrator sets them with GRAFT_PROMETHEUS_ALLOWED, the chart's "
                            "prometheus.allowedAddresses)", permanent=True)
-        named = [f for f, ref in (("bearerTokenSecret", source.bearer_token_secret), ("caSecret", source.ca_secret))
-                 if ref is not None]
+        if source.oauth2 is not None and not address_allowed(source.oauth2.token_url, s.prometheus_prefixes):
+            return Problem(Reason.PROMETHEUS_NOT_ALLOWED,
+                           f"spec.analysis.prometheus.oauth2.tokenUrl: {source.oauth2.token_url} is not an address "
+                           f"this operator may send credentials to (allowed: {', '.join(s.prometheus_prefixes)}; "
+                           "GRAFT_PROMETHEUS_ALLOWED, the chart's prometheus.allowedAddresses)", permanent=True)
+        named = [f for f, _ in source.secrets()]
         if named and namespace not in s.prometheus_secret_namespaces:
             return Problem(Reason.PROMETHEUS_SECRETS_NOT_ALLOWED,
                            f"spec.analysis.prometheus.{named[0]}: this operator reads no Prometheus Secrets in "
@@ -152,17 +156,22 @@ class Runtime:
         if refusal is not None:
             raise PrometheusRefused(refusal)
         headers = dict(source.headers)
-        ca = None
+        values = {f: await self._secret_key(namespace, *ref, f) for f, ref in source.secrets()}
         if source.bearer_token_secret is not None:
-            token = await self._secret_key(namespace, *source.bearer_token_secret, "bearerTokenSecret")
-            headers["Authorization"] = f"Bearer {token.strip()}"
-        if source.ca_secret is not None:
-            ca = await self._secret_key(namespace, *source.ca_secret, "caSecret")
+            headers["Authorization"] = f"Bearer {values['bearerTokenSecret'].strip()}"
+        if source.basic_auth is not None:
+            headers["Authorization"] = basic_header(source.basic_auth[0], values["basicAuth.passwordSecret"].strip())
+        oauth2 = None if source.oauth2 is None else OAuth2Login(
+            source.oauth2.token_url, source.oauth2.client_id, values["oauth2.clientSecretSecret"].strip(),
+            source.oauth2.scopes)
+        client_cert = None if source.client_cert is None else (values["tls.certSecret"], values["tls.keySecret"])
         address = source.address or self.settings.prometheus_address
-        key = (address, tuple(sorted(headers.items())), ca)
+        # a provider per distinct login: what the Secrets hold now is part of it, so a rotated one takes effect
+        key = (address, tuple(sorted(headers.items())), values.get("caSecret"), oauth2, client_cert)
         if key not in self._providers:
-            self._providers[key] = PrometheusProvider(address, self.settings.prometheus_timeout,
-                                                      headers=headers, ca_pem=ca)
+            self._providers[key] = PrometheusProvider(address, self.settings.prometheus_timeout, headers=headers,
+                                                      ca_pem=values.get("caSecret"), oauth2=oauth2,
+                                                      client_cert=client_cert)
         return self._providers[key]
 
     async def _secret_key(self, namespace: str, name: str, key: str, field: str) -> str:

@@ -253,6 +253,28 @@ class PrometheusSource:
     bearer_token_secret: tuple[str, str] | None = None    # (Secret name, key) in the rollout's namespace
     ca_secret: tuple[str, str] | None = None              # a PEM CA bundle to verify TLS with
     headers: tuple[tuple[str, str], ...] = ()
+    basic_auth: tuple[str, tuple[str, str]] | None = None          # (username, the password's Secret and key)
+    oauth2: OAuth2Source | None = None
+    client_cert: tuple[tuple[str, str], tuple[str, str]] | None = None   # mTLS: (cert's, key's Secret and key)
+
+    def secrets(self) -> list[tuple[str, tuple[str, str]]]:
+        """Every Secret key the source names, with the field that names it."""
+        named = [("bearerTokenSecret", self.bearer_token_secret), ("caSecret", self.ca_secret),
+                 ("basicAuth.passwordSecret", self.basic_auth[1] if self.basic_auth else None),
+                 ("oauth2.clientSecretSecret", self.oauth2.client_secret if self.oauth2 else None),
+                 ("tls.certSecret", self.client_cert[0] if self.client_cert else None),
+                 ("tls.keySecret", self.client_cert[1] if self.client_cert else None)]
+        return [(f, ref) for f, ref in named if ref is not None]
+
+
+@dataclass(slots=True, frozen=True)
+class OAuth2Source:
+    """OAuth2 client credentials: where to ask for a token, as whom."""
+
+    token_url: str
+    client_id: str
+    client_secret: tuple[str, str]          # (Secret name, key) in the rollout's namespace
+    scopes: tuple[str, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -516,10 +538,18 @@ def _analysis(r: _Errors, m: model.Analysis, path: str, templates: Templates) ->
         p.address or "",
         (p.bearer_token_secret.name, p.bearer_token_secret.key) if p.bearer_token_secret else None,
         (p.ca_secret.name, p.ca_secret.key) if p.ca_secret else None,
-        tuple((h.name, h.value) for h in p.headers or ()))
+        tuple((h.name, h.value) for h in p.headers or ()),
+        (p.basic_auth.username, _ref(p.basic_auth.password_secret)) if p.basic_auth else None,
+        OAuth2Source(p.oauth2.token_url, p.oauth2.client_id, _ref(p.oauth2.client_secret_secret),
+                     tuple(p.oauth2.scopes or ())) if p.oauth2 else None,
+        (_ref(p.tls.cert_secret), _ref(p.tls.key_secret)) if p.tls else None)
     return Analysis(source, interval, tuple(parsed["breakers"]), tuple(parsed["gates"]), m.no_data, m.confidence,
                     m.rollback_confidence, m.inconclusive_limit, m.error_limit, parse_duration(m.outage_limit),
                     tuple(refs), m.measurement_retention)
+
+
+def _ref(ref: Any) -> tuple[str, str]:
+    return ref.name, ref.key
 
 
 def _parts_alone(raw: Any, path: str) -> dict[str, list[Any]]:

@@ -205,12 +205,28 @@ INVALID = [
      "spec.analysis.prometheus.caSecret.key"),
     ("header-value-newline", setting("analysis.prometheus", {"headers": [{"name": "X-Org", "value": "a\nb"}]}),
      "spec.analysis.prometheus.headers[0].value"),
+    ("prometheus-two-logins", setting("analysis.prometheus", {
+        "bearerTokenSecret": {"name": "t", "key": "k"},
+        "basicAuth": {"username": "graft", "passwordSecret": {"name": "p", "key": "k"}}}), "spec.analysis.prometheus"),
+    ("prometheus-basic-username-colon", setting("analysis.prometheus", {
+        "basicAuth": {"username": "a:b", "passwordSecret": {"name": "p", "key": "k"}}}),
+     "spec.analysis.prometheus.basicAuth.username"),
+    ("prometheus-oauth2-token-url-not-http", setting("analysis.prometheus", {"oauth2": {
+        "tokenUrl": "ftp://idp/token", "clientId": "graft", "clientSecretSecret": {"name": "c", "key": "k"}}}),
+     "spec.analysis.prometheus.oauth2.tokenUrl"),
+    ("prometheus-tls-without-key", setting("analysis.prometheus", {"tls": {"certSecret": {"name": "c", "key": "k"}}}),
+     "spec.analysis.prometheus.tls.keySecret"),
     ("template-argument-1025", setting("analysis.args", [{"name": "tenant", "value": "t" * 1025}]),
      "spec.analysis.args[0].value"),
     ("gate-consecutive", setting("analysis.gates.0.consecutive", 2), "spec.analysis.gates"),
 ]
 # valid edge cases both must accept
 VALID_EDGES = [
+    ("prometheus-oauth2-and-mtls", setting("analysis.prometheus", {
+        "oauth2": {"tokenUrl": "https://idp.example/token", "clientId": "graft",
+                   "clientSecretSecret": {"name": "c", "key": "k"}, "scopes": ["metrics.read"]},
+        "tls": {"certSecret": {"name": "m", "key": "tls.crt"}, "keySecret": {"name": "m", "key": "tls.key"}},
+        "caSecret": {"name": "m", "key": "ca.crt"}})),
     ("defaults-only", lambda s: {"selector": s["selector"], "patch": s["patch"]}),
     ("expressions-selector", setting("selector", {"matchExpressions": [{"key": "app", "operator": "In",
                                                                         "values": ["a", "b"]}]})),

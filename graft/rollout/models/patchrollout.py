@@ -190,8 +190,41 @@ class Header(ApiModel):
         "The header's value (one line).")
 
 
+class BasicAuth(ApiModel):
+    """HTTP basic authentication: a user name and its password from a Secret."""
+
+    username: Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^:\r\n]+$")] = described(
+        "The user name (no colon).")
+    password_secret: SecretKeyRef = described("A Secret in the rollout's namespace holding the password.")
+
+
+class OAuth2(ApiModel):
+    """OAuth2 client credentials (RFC 6749 4.4): the operator asks tokenUrl for an access token, keeps
+    it until shortly before it expires, and asks again once after a 401."""
+
+    token_url: Annotated[str, StringConstraints(max_length=2048, pattern=URL_PATTERN)] = described(
+        "The token endpoint; it must lie under an address the operator allows (GRAFT_PROMETHEUS_ALLOWED).")
+    client_id: Annotated[str, StringConstraints(min_length=1, max_length=256)] = described("The client's id.")
+    client_secret_secret: SecretKeyRef = described("A Secret in the rollout's namespace holding the client secret.")
+    scopes: Annotated[list[Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[!#-\[\]-~]+$")]],
+                      Field(max_length=16)] | None = described("Scopes to ask for.", default=None)
+
+
+class ClientTls(ApiModel):
+    """A client certificate for mutual TLS: the certificate and its key, PEM, from Secrets."""
+
+    cert_secret: SecretKeyRef = described("A Secret in the rollout's namespace holding the PEM client certificate.")
+    key_secret: SecretKeyRef = described("A Secret in the rollout's namespace holding its PEM private key.")
+
+
 class Prometheus(ApiModel):
-    """Where the analysis asks, and how it logs in."""
+    """Where the analysis asks, and how it logs in: at most one of bearerTokenSecret, basicAuth and
+    oauth2, with a client certificate (tls) or not."""
+
+    cel_rules: ClassVar = (
+        Cel("[has(self.bearerTokenSecret), has(self.basicAuth), has(self.oauth2)].filter(x, x).size() <= 1",
+            "at most one of bearerTokenSecret, basicAuth and oauth2"),
+    )
 
     address: Annotated[str, StringConstraints(max_length=2048, pattern=URL_PATTERN)] | None = described(
         "Prometheus base URL; when omitted, the operator's GRAFT_PROMETHEUS_ADDRESS (the chart's "
@@ -204,6 +237,15 @@ class Prometheus(ApiModel):
         "verified against (default: the system's CAs).", default=None)
     headers: Annotated[list[Header], Field(max_length=16, json_schema_extra=LIST_MAP_NAME)] | None = described(
         "Extra HTTP headers sent with every query.", default=None)
+    basic_auth: BasicAuth | None = described(BasicAuth.__doc__, default=None)
+    oauth2: OAuth2 | None = described(OAuth2.__doc__, default=None)
+    tls: ClientTls | None = described(ClientTls.__doc__, default=None)
+
+    def rules(self) -> None:
+        given = [f for f, v in (("bearerTokenSecret", self.bearer_token_secret), ("basicAuth", self.basic_auth),
+                                ("oauth2", self.oauth2)) if v is not None]
+        if len(given) > 1:
+            raise refuse(f"{self.cel_rules[0].message}, not {' and '.join(given)}", at=given[1])
 
 
 class TemplateRef(ApiModel):
