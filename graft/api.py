@@ -159,6 +159,7 @@ class Reason(StrEnum):
     PROMETHEUS_SECRETS_NOT_ALLOWED = ("PrometheusSecretsNotAllowed",
                                       "the rollout names Prometheus Secrets the operator may not read", WARNING)
     PROMETHEUS_SECRET_MISSING = "PrometheusSecretMissing", "a Prometheus Secret or key is missing", WARNING
+    WEB_NOT_ALLOWED = "WebNotAllowed", "a web check names an address the operator may not ask", WARNING
     # fleets and history
     CONVERGED = "Converged", "status only (a PatchFleet's Converged condition): every pod runs its patches"
     CONVERGING = ("Converging",

@@ -7,6 +7,7 @@ import os
 import time
 from datetime import datetime, timezone
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import kopf
@@ -22,6 +23,7 @@ from graft.operator.outbox import Outbox
 from graft.operator.podcache import PodCache
 from graft.operator.problems import PrometheusRefused, SecretError, TokenError
 from graft.operator.prometheus import OAuth2Login, PrometheusProvider, address_allowed, basic_header
+from graft.operator.web import WebProvider, allowed_url
 from graft.operator.revisions import RecordingAdmin, RevisionBook
 from graft.operator.settings import OperatorSettings
 from graft.rollout.observation import Problem
@@ -51,6 +53,7 @@ class Runtime:
         self.unauthorized: dict[str, tuple[float, int]] = {}
         self._reported: set[tuple[str, str]] = set()   # (object, pod uid) already reported as no engine
         self._providers: dict[tuple, PrometheusProvider] = {}
+        self.web = WebProvider()
         self.metrics = OperatorMetrics()
         # notifications and webhooks: gates are awaited by reconciliations, everything else leaves
         # through the outbox in the background (graft.operator.notify, graft.operator.hooks)
@@ -174,20 +177,49 @@ class Runtime:
                                                       client_cert=client_cert)
         return self._providers[key]
 
+    def web_refusal(self, checks: Iterable[Any], namespace: str) -> Problem | None:
+        """Why the operator will not ask a web check's service (a permanent Problem), or None: a URL
+        outside GRAFT_WEB_ALLOWED, or a header Secret in a namespace where it reads none."""
+        s = self.settings
+        for check in checks:
+            web = check.web
+            if not allowed_url(web.url, s.web_allowed):
+                allowed = ", ".join(s.web_allowed) or "none"
+                return Problem(Reason.WEB_NOT_ALLOWED,
+                               f"check {check.name}: web.url {web.url} is not an address this operator may ask "
+                               f"(allowed: {allowed}; the cluster administrator sets them with GRAFT_WEB_ALLOWED, "
+                               "the chart's webChecks.allowedAddresses)", permanent=True)
+            if any(ref is not None for _, _, ref in web.headers) and namespace not in s.prometheus_secret_namespaces:
+                return Problem(Reason.PROMETHEUS_SECRETS_NOT_ALLOWED,
+                               f"check {check.name}: web.headers: this operator reads no Secrets in namespace "
+                               f"{namespace} (GRAFT_PROMETHEUS_SECRET_NAMESPACES, the chart's rbac.prometheusSecrets)",
+                               permanent=True)
+        return None
+
+    async def web_headers(self, web: Any, namespace: str) -> dict[str, str]:
+        """A web check's headers, each value from the spec or read from its Secret."""
+        out = {}
+        for name, value, ref in web.headers:
+            out[name] = value if ref is None else (await self._secret_key(namespace, *ref, f"spec.analysis check {web.url} headers[{name}]")).strip()
+        return out
+
     async def _secret_key(self, namespace: str, name: str, key: str, field: str) -> str:
+        """A Secret's key in the rollout's namespace; `field` names what asked for it (under
+        spec.analysis.prometheus unless it is a path of its own)."""
+        field = field if field.startswith("spec.") else f"spec.analysis.prometheus.{field}"
         try:
             secret = await self.kube.get(secret_path(namespace, name))
         except KubeError as e:
             if e.status != 403:
                 raise
             raise SecretError(Problem(Reason.PROMETHEUS_SECRET_MISSING,
-                                      f"spec.analysis.prometheus.{field}: the operator may not read Secret "
+                                      f"{field}: the operator may not read Secret "
                                       f"{namespace}/{name} (no Role grants it: the chart's rbac.prometheusSecrets)")
                               ) from None
         value = secret_value(secret, key) if secret is not None else None
         if not value:
             raise SecretError(Problem(Reason.PROMETHEUS_SECRET_MISSING,
-                                      f"spec.analysis.prometheus.{field}: Secret {namespace}/{name} "
+                                      f"{field}: Secret {namespace}/{name} "
                                       + ("not found" if secret is None else f"has no key {key!r}")))
         return value
 
@@ -206,6 +238,7 @@ class Runtime:
         await self.pod_cache.aclose()
         for provider in self._providers.values():
             await provider.aclose()
+        await self.web.aclose()
         if self.kube is not None:
             await self.kube.aclose()
 

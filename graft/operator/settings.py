@@ -132,6 +132,8 @@ class OperatorSettings:
                                             help="other Prometheus addresses rollouts may name (URL prefixes)")
     prometheus_secret_namespaces: list[str] = setting(factory=list, env="GRAFT_PROMETHEUS_SECRET_NAMESPACES",
                                                       help="namespaces where Prometheus Secrets are read")
+    web_allowed: list[str] = setting(factory=list, env="GRAFT_WEB_ALLOWED",
+                                     help="addresses web checks may ask (URL prefixes); none by default")
     metrics_port: int | None = setting(None, env="GRAFT_METRICS_PORT", minimum=1, maximum=65535,
                                        help="the port of the operator's own /metrics (0 or unset: not served)")
     peering: str | None = setting(None, env="GRAFT_PEERING",
@@ -157,6 +159,10 @@ class OperatorSettings:
             if not valid_prefix(prefix):
                 raise ValueError(f"Prometheus address {prefix!r} (GRAFT_PROMETHEUS_ADDRESS, GRAFT_PROMETHEUS_ALLOWED) "
                                  "must be an http(s) URL with a host and no credentials, query or fragment")
+        for prefix in self.web_allowed:
+            if not valid_prefix(prefix):
+                raise ValueError(f"web address {prefix!r} (GRAFT_WEB_ALLOWED) must be an http(s) URL with a host "
+                                 "and no credentials, query or fragment")
 
     @property
     def prometheus_prefixes(self) -> list[str]:

@@ -28,8 +28,11 @@ its value is escaped there, so no argument can change what a query means.
 """
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import quote as url_quote
 
 from graft.rollout.durations import promql_duration
 
@@ -60,7 +63,10 @@ class Series:
     `answered` all but hang-ups),
     shadow (the canary's shadow comparisons: `compared`, agreeing or divergent, or `divergent` alone),
     quantile (`q` of histogram `metric`),
-    samples (observations in histogram `metric`), cpu (canary CPU utilisation), custom (a user query).
+    samples (observations in histogram `metric`), cpu (canary CPU utilisation), custom (a user query),
+    web (a number from an HTTP service: `web` is the request, its placeholders filled).
+
+    `provider` says who answers it: Prometheus (`promql`) or the web provider (`web`).
     """
 
     key: str
@@ -71,6 +77,11 @@ class Series:
     q: float | None = None
     window: float = 60.0
     promql: str = ""
+    web: Any = None          # a graft.rollout.spec.WebSpec with its placeholders filled
+
+    @property
+    def provider(self) -> str:
+        return "web" if self.web is not None else "prometheus"
 
 
 @dataclass(slots=True, frozen=True)
@@ -364,8 +375,42 @@ def plan(check, ctx: Context, window: float) -> list[Series]:
     variables = {"namespace": ctx.namespace, "canaryRevision": ctx.canary, "stableRevision": ctx.stable,
                  "window": promql_duration(window), "patchName": ctx.patch_name,
                  "patchVersion": ctx.patch_version}
+    if getattr(check, "web", None) is not None:
+        return [Series("value", "web", CANARY, window=window, web=render_web(check.web, variables))]
     out = [Series("value", "custom", CANARY, window=window, promql=render(check.query, variables))]
     if check.min_samples is not None:
         out.append(Series("canary_requests", "count", CANARY, window=window,
                           promql=count_query(ctx, CANARY, window)))
     return out
+
+
+def _fill(template: str, variables: dict[str, str], escape) -> str:
+    def sub(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in variables:
+            raise KeyError(f"unknown template variable {{{{{name}}}}}")
+        return escape(variables[name])
+    return _VAR.sub(sub, template)
+
+
+def fill_web_args(template: str, args: dict[str, str], escape) -> str:
+    """`{{args.NAME}}` of a web check's URL or body filled, escaped by `escape`; KeyError names a missing one."""
+    def sub(m: re.Match) -> str:
+        if m.group(1) not in args:
+            raise KeyError(f"no value for {{{{args.{m.group(1)}}}}}")
+        return escape(args[m.group(1)])
+    return _ARG.sub(sub, template)
+
+
+def url_escape(value: str) -> str:
+    return url_quote(value, safe="")
+
+
+def json_escape(value: str) -> str:
+    return json.dumps(value)[1:-1]
+
+
+def render_web(web, variables: dict[str, str]):
+    """A web check's request with its placeholders filled: URL-escaped in the URL, JSON-escaped in the body."""
+    return replace(web, url=_fill(web.url, variables, url_escape),
+                   body=None if web.body is None else _fill(web.body, variables, json_escape))

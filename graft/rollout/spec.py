@@ -197,6 +197,23 @@ class Step:
 
 
 @dataclass(slots=True, frozen=True)
+class WebSpec:
+    """A web check's request: where, how, and where the number is in the JSON answer."""
+
+    url: str
+    method: str = "GET"
+    body: str | None = None
+    # (name, value) or (name, None) with the value's (Secret name, key)
+    headers: tuple[tuple[str, str | None, tuple[str, str] | None], ...] = ()
+    json_path: str = "$"
+    timeout: float = 10.0
+
+    @property
+    def comparison(self) -> bool:
+        return queries.is_comparison(self.url + (self.body or ""))
+
+
+@dataclass(slots=True, frozen=True)
 class Check:
     """One check of the analysis: a breaker (rolls back) or a gate (must hold to promote a step)."""
 
@@ -212,6 +229,7 @@ class Check:
     query: str | None = None           # custom checks: PromQL giving one number
     dry_run: bool = False
     min_samples: int | None = None     # the traffic floor; None: derived from the threshold
+    web: WebSpec | None = None         # custom checks: a number from an HTTP service instead of PromQL
 
     @property
     def kind(self) -> str:
@@ -232,7 +250,7 @@ class Check:
     def comparison(self) -> bool:
         """True when the check compares canary with stable (meaningless once no stable pod is left)."""
         if self.metric == "custom":
-            return queries.is_comparison(self.query or "")
+            return self.web.comparison if self.web is not None else queries.is_comparison(self.query or "")
         return self.kind == "difference" or self.max_ratio is not None
 
     @property
@@ -617,7 +635,9 @@ def _check(r: _Errors, c: common.Check, args: dict[str, str], path: str, role: s
         if unknown:
             r.fail(f"{path}.query", f"unknown template variable(s) {', '.join(unknown)} "
                                     f"(known: {', '.join(queries.TEMPLATE_VARS)})")
-    metric = c.metric or ("custom" if query is not None or c.name not in BUILTIN_METRICS else c.name)
+    web = _web(r, c.web, args, f"{path}.web") if c.web is not None else None
+    metric = c.metric or ("custom" if query is not None or c.web is not None or c.name not in BUILTIN_METRICS
+                          else c.name)
     kind = "custom" if metric == "custom" else BUILTIN_METRICS[metric]["kind"]
     hi, lo, ratio = c.max, c.min, c.max_ratio
     if kind != "custom":
@@ -654,7 +674,25 @@ def _check(r: _Errors, c: common.Check, args: dict[str, str], path: str, role: s
     if len(r.errors) > errors_before:
         return None
     return Check(c.name, role, metric, hi, lo, ratio, window, str(window_text), c.consecutive or 1, query,
-                 bool(c.dry_run), c.min_samples)
+                 bool(c.dry_run), c.min_samples, web)
+
+
+def _web(r: _Errors, w: Any, args: dict[str, str], path: str) -> WebSpec | None:
+    """A web check's request with the template's arguments filled (URL- or JSON-escaped)."""
+    try:
+        url = queries.fill_web_args(w.url, args, queries.url_escape)
+        body = None if w.body is None else queries.fill_web_args(w.body, args, queries.json_escape)
+    except KeyError as e:
+        r.fail(path, str(e.args[0]))
+        return None
+    for where, text in (("url", url), ("body", body or "")):
+        unknown = queries.unknown_vars(text)
+        if unknown:
+            r.fail(f"{path}.{where}", f"unknown template variable(s) {', '.join(unknown)} "
+                                      f"(known: {', '.join(queries.TEMPLATE_VARS)})")
+    headers = tuple((h.name, h.value, None if h.value_from is None else _ref(h.value_from.secret_key_ref))
+                    for h in w.headers or ())
+    return WebSpec(url, w.method, body, headers, w.json_path, parse_duration(w.timeout))
 
 
 @dataclass(slots=True, frozen=True)

@@ -282,6 +282,17 @@ def test_operator_gets_the_prometheus_addresses_rollouts_may_name(chart):
         render(chart, {"prometheus": {"address": "http://prom.obs:9090", "allowedAddresses": ["prom:9090"]}})
 
 
+def test_operator_gets_the_services_web_checks_may_ask(chart):
+    (operator,) = containers(one(render(chart, {}), "StatefulSet"))
+    assert "GRAFT_WEB_ALLOWED" not in env_of(operator), "by default a web check may ask nothing"
+    values = {"webChecks": {"allowedAddresses": ["http://evals.ml.svc:8080", "https://scores.obs/api"]}}
+    (operator,) = containers(one(render(chart, values), "StatefulSet"))
+    settings = OperatorSettings.from_env({k: e["value"] for k, e in env_of(operator).items() if "value" in e})
+    assert settings.web_allowed == ["http://evals.ml.svc:8080", "https://scores.obs/api"]
+    with pytest.raises(Exception, match="allowedAddresses"):
+        render(chart, {"webChecks": {"allowedAddresses": ["evals:8080"]}})
+
+
 # security
 
 @setups

@@ -216,12 +216,28 @@ INVALID = [
      "spec.analysis.prometheus.oauth2.tokenUrl"),
     ("prometheus-tls-without-key", setting("analysis.prometheus", {"tls": {"certSecret": {"name": "c", "key": "k"}}}),
      "spec.analysis.prometheus.tls.keySecret"),
+    ("web-and-query", setting("analysis.breakers.0", {"name": "q", "max": 1, "query": 'up{namespace="{{namespace}}"}',
+                                                      "web": {"url": "http://e/q", "jsonPath": "$.q"}}),
+     "spec.analysis.breakers[0]"),
+    ("web-get-with-body", setting("analysis.breakers.0", {"name": "q", "max": 1, "web": {
+        "url": "http://e/q", "jsonPath": "$.q", "body": "{}"}}), "spec.analysis.breakers[0].web"),
+    ("web-timeout-2m", setting("analysis.breakers.0", {"name": "q", "max": 1, "web": {
+        "url": "http://e/q", "jsonPath": "$.q", "timeout": "2m"}}), "spec.analysis.breakers[0].web.timeout"),
+    ("web-json-path-recursive", setting("analysis.breakers.0", {"name": "q", "max": 1, "web": {
+        "url": "http://e/q", "jsonPath": "$..q"}}), "spec.analysis.breakers[0].web.jsonPath"),
+    ("web-header-value-and-secret", setting("analysis.breakers.0", {"name": "q", "max": 1, "web": {
+        "url": "http://e/q", "jsonPath": "$.q", "headers": [{"name": "A", "value": "v", "valueFrom": {
+            "secretKeyRef": {"name": "s", "key": "k"}}}]}}), "spec.analysis.breakers[0].web.headers[0]"),
     ("template-argument-1025", setting("analysis.args", [{"name": "tenant", "value": "t" * 1025}]),
      "spec.analysis.args[0].value"),
     ("gate-consecutive", setting("analysis.gates.0.consecutive", 2), "spec.analysis.gates"),
 ]
 # valid edge cases both must accept
 VALID_EDGES = [
+    ("web-post-with-secret-header", setting("analysis.breakers.0", {"name": "q", "max": 1, "web": {
+        "url": "https://evals.ml:8443/score?rev={{canaryRevision}}", "method": "POST", "body": '{"a": 1}',
+        "jsonPath": "$.data['score'][0]", "timeout": "60s",
+        "headers": [{"name": "Authorization", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}})),
     ("prometheus-oauth2-and-mtls", setting("analysis.prometheus", {
         "oauth2": {"tokenUrl": "https://idp.example/token", "clientId": "graft",
                    "clientSecretSecret": {"name": "c", "key": "k"}, "scopes": ["metrics.read"]},

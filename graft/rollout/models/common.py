@@ -6,7 +6,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, StringConstraints, field_validator
 
-from graft.rollout.models.base import (ARG_NAME_PATTERN, DURATION_PATTERN, MAX_DURATION, METRIC_NAME_PATTERN, ApiModel,
+from graft.rollout.models.base import (ARG_NAME_PATTERN, DURATION_PATTERN, HEADER_NAME_PATTERN, MAX_DURATION,
+                                       METRIC_NAME_PATTERN, URL_PATTERN, ApiModel,
                                        Cel, DataKey, Digest, K8sName, LabelKey, LabelValue, PatchName, PatchVersion,
                                        Says, StatusModel, cel, described, label_key_ok, refuse)
 
@@ -143,14 +144,78 @@ WINDOW_PATTERN = r"^(([0-9]+(\.[0-9]+)?(ms|s|m|h))+|step|rollout)$"
 assert WINDOW_PATTERN[2:].startswith(DURATION_PATTERN[1:-1])
 
 
+LIST_MAP_NAME = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
+
+
+class SecretKeyRef(ApiModel):
+    """A key of a Secret in the rollout's namespace."""
+
+    name: K8sName = described("The Secret's name.")
+    key: DataKey = described("Its data key.")
+
+
+class SecretSource(ApiModel):
+    """Where a value comes from."""
+
+    secret_key_ref: SecretKeyRef = described(SecretKeyRef.__doc__)
+
+
+class WebHeader(ApiModel):
+    """A header of a web check's request: a value, or one from a Secret."""
+
+    cel_rules: ClassVar = (Cel("has(self.value) != has(self.valueFrom)", "a header has a value or a valueFrom"),)
+
+    name: Annotated[str, StringConstraints(max_length=64, pattern=HEADER_NAME_PATTERN)] = described("The header's name.")
+    value: Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\r\n]+$")] | None = described(
+        "The header's value (one line).", default=None)
+    value_from: SecretSource | None = described("The header's value from a Secret in the rollout's namespace.",
+                                                default=None)
+
+    def rules(self) -> None:
+        if (self.value is None) == (self.value_from is None):
+            raise refuse(self.cel_rules[0].message)
+
+
+JSON_PATH_PATTERN = r"^\$(\.[A-Za-z_][A-Za-z0-9_-]*|\[[0-9]{1,6}\]|\['[^'\\]{1,256}'\])*$"
+WEB_TIMEOUT_PATTERN = r"^([1-9]|[1-5][0-9]|60)s$"   # whole seconds, 1s to 60s
+
+
+class Web(ApiModel):
+    """A number from any HTTP service: a GET (or POST) answered with JSON, and where in it the number is."""
+
+    cel_rules: ClassVar = (Cel("!has(self.body) || self.method == 'POST'", "only a POST has a body"),)
+
+    url: Annotated[str, StringConstraints(max_length=2048, pattern=URL_PATTERN)] = described(
+        "Where to ask; may use {{namespace}}, {{canaryRevision}}, {{stableRevision}}, {{patchName}}, "
+        "{{patchVersion}}, {{window}} and {{args.NAME}} (URL-escaped). It must lie under an address the operator "
+        "allows (GRAFT_WEB_ALLOWED, the chart's webChecks.allowedAddresses), else the rollout fails with "
+        "WebNotAllowed.")
+    method: Literal["GET", "POST"] = described("The HTTP method.", default="GET", json_schema_extra={"type": "string"})
+    body: Annotated[str, StringConstraints(max_length=8192)] | None = described(
+        "A POST's body, sent as application/json; the same placeholders, JSON-escaped.", default=None)
+    headers: Annotated[list[WebHeader], Field(max_length=16, json_schema_extra=LIST_MAP_NAME)] | None = described(
+        "Headers sent with the request (a token from a Secret: valueFrom.secretKeyRef).", default=None)
+    json_path: Annotated[str, StringConstraints(max_length=1024, pattern=JSON_PATH_PATTERN)] = described(
+        "Where the number is in the JSON answer: $ then .field, ['field'] or [index] steps, e.g. "
+        "$.data.result[0].value. A number, or true/false (1/0); nothing there is no data.")
+    timeout: Annotated[str, StringConstraints(pattern=WEB_TIMEOUT_PATTERN),
+                       Says.of(string_pattern_mismatch="must be whole seconds from 1s to 60s, e.g. 10s")] = described(
+        "How long the answer may take: whole seconds, 1s to 60s.", default="10s")
+
+    def rules(self) -> None:
+        if self.body is not None and self.method != "POST":
+            raise refuse(self.cel_rules[0].message, at="body")
+
+
 class Check(ApiModel):
     """One check of the analysis: a breaker (rolls back) or a gate (must hold for a step to advance)."""
 
     cel_rules: ClassVar = (
-        Cel("has(self.metric) || has(self.query) || self.name in ["
+        Cel("has(self.metric) || has(self.query) || has(self.web) || self.name in ["
             + ", ".join(f"'{n}'" for n in BUILTIN_METRIC_NAMES) + "]",
-            "a check that is not built in needs its query"),
-        Cel("!(has(self.metric) && has(self.query))", "a check is either a built-in metric or a custom query, not both"),
+            "a check that is not built in needs its query or web"),
+        Cel("[has(self.metric), has(self.query), has(self.web)].filter(x, x).size() <= 1",
+            "a check has one source: a built-in metric, a query or web"),
         Cel("has(self.max) || has(self.min) || has(self.maxRatio)", "a check needs a threshold: max, min or maxRatio"),
         Cel("!has(self.max) || !has(self.min) || self.min <= self.max", "min must not exceed max"),
     )
@@ -172,6 +237,7 @@ class Check(ApiModel):
         "A custom check: PromQL giving one number; may use {{namespace}}, {{canaryRevision}}, {{stableRevision}}, "
         "{{window}}, {{patchName}}, {{patchVersion}} and a template's {{args.NAME}}. Every vector selector of a "
         "PatchRollout's or a PatchAnalysisTemplate's query must carry namespace=\"{{namespace}}\".", default=None)
+    web: Web | None = described(Web.__doc__ + " A custom check, like query.", default=None)
     max: float | None = described(
         "Upper limit: a fraction for rates and output-divergence, percentage points as a fraction for "
         "error-rate-delta, seconds for latency, a fraction of the quota for cpu.", default=None)
@@ -189,20 +255,21 @@ class Check(ApiModel):
     dry_run: bool | None = described("Judged and reported but never decides.", default=None)
 
     def rules(self) -> None:
-        if self.metric is None and self.query is None and self.name not in BUILTIN_METRIC_NAMES:
+        if self.metric is None and self.query is None and self.web is None and self.name not in BUILTIN_METRIC_NAMES:
             raise refuse(f"{self.cel_rules[0].message}: {self.name!r} is not a built-in metric "
                          f"({', '.join(BUILTIN_METRIC_NAMES)})", at="query")
         if self.metric is not None and self.query is not None:
             raise refuse(f"a built-in metric ({self.metric}) takes no query; give the check another name", at="query")
+        if self.web is not None and (self.metric is not None or self.query is not None):
+            raise refuse(self.cel_rules[1].message, at="web")
         if self.max is None and self.min is None and self.max_ratio is None:
-            metric = self.metric or (self.name if self.query is None else None)
+            metric = self.metric or (self.name if self.query is None and self.web is None else None)
             raise refuse("needs a threshold: max, min" + (" or maxRatio" if metric in QUANTILE_METRICS else ""))
         if self.max is not None and self.min is not None and self.min > self.max:
             raise refuse(f"must not exceed max ({self.max:g})", at="min")
 
 
 CheckList = Annotated[list[Check], Field(max_length=MAX_CHECKS)]
-LIST_MAP_NAME = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
 GATE_RULE = Cel("self.all(g, !has(g.consecutive))",
                 "gates take no consecutive: a failing gate holds the step until it passes")
 

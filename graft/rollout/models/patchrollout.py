@@ -14,7 +14,7 @@ from graft.rollout.models.base import (DURATION_PATTERN, HEADER_NAME_PATTERN, MA
                                        Column, DataKey, Duration, K8sName, Kind, OrNone, PatchName, PatchVersion, Says,
                                        StatusModel, Time, cel, described, refuse)
 from graft.rollout.models.common import (CONDITIONS_LIST, LIST_MAP_NAME, ArgList, BreakerList, Builtin, Condition,
-                                         GateList, LabelSelector, Patch, PatchSource)
+                                         GateList, LabelSelector, Patch, PatchSource, SecretKeyRef)
 
 IMMUTABLE = "self == oldSelf"
 
@@ -172,13 +172,6 @@ def _step_rules(steps: list[Step]) -> list[Step]:
 
 
 # -- analysis --------------------------------------------------------------------------------------
-
-
-class SecretKeyRef(ApiModel):
-    """A key of a Secret in the rollout's namespace."""
-
-    name: K8sName = described("The Secret's name.")
-    key: DataKey = described("Its data key.")
 
 
 class Header(ApiModel):
