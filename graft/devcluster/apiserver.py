@@ -83,6 +83,7 @@ from graft.devcluster.apimachinery import (FieldError, Predicate, StrategicError
                                            strategic_schema, strip_directives, verb, version_priority,
                                            watch_event)
 from graft.devcluster.kubeconfig import write_kubeconfig
+from graft.devcluster.podlogs import read_container_log
 from graft.devcluster.store import CRDS, NAMESPACES, VERBS, ObjectStore
 
 CORE_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
@@ -92,6 +93,9 @@ SERVER_VERSION = {"major": "1", "minor": "32", "emulationMajor": "1", "emulation
                   "goVersion": "go1.23.3", "compiler": "gc", "platform": "linux/amd64"}
 _JSON = {"Content-Type": "application/json"}
 _PATCHES = ("application/json-patch+json", "application/merge-patch+json", "application/strategic-merge-patch+json")
+# A pod's log (kubectl logs), served as text from the pod runner's files.
+_POD_LOG = re.compile(r"/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<name>[^/]+)/log")
+
 # Kinds whose ``/scale`` subresource is served (``kubectl scale``, autoscalers): spec.replicas, as a Scale.
 _SCALABLE = {kmock.resource("apps", "v1", plural) for plural in ("deployments", "replicasets", "statefulsets")}
 
@@ -110,6 +114,7 @@ class ApiServer(kmock.KubernetesEmulator):
     port: int = 0
     namespaces: Sequence[str] = CORE_NAMESPACES
     history_limit: int | None = None
+    pod_logs_dir: Path | None = None
 
     _store: ObjectStore = attrs.field(init=False)
     _stopping: bool = attrs.field(default=False, init=False)
@@ -432,6 +437,9 @@ class ApiServer(kmock.KubernetesEmulator):
         # RawHandler.__call__, with two changes: a request KMock cannot parse is still served, and a
         # refused request (4xx) is the client's error, so it is not kept among the server's errors.
         raw_response: aiohttp.web.StreamResponse | None = None
+        logs = _POD_LOG.fullmatch(raw_request.path) if raw_request.method == "GET" else None
+        if logs is not None:
+            return await self._serve_pod_log(raw_request, logs["ns"], logs["name"])
         try:
             request = await _parse_request(raw_request, len(self._requests))
             self._requests.append(request)
@@ -454,6 +462,30 @@ class ApiServer(kmock.KubernetesEmulator):
             await self._stream_error(e, raw_response)
             await raw_response.write_eof()
             return raw_response
+
+    async def _serve_pod_log(self, raw: aiohttp.web.BaseRequest, namespace: str, name: str) -> aiohttp.web.StreamResponse:
+        # kubectl logs: text, not JSON, so it is served beside KMock's JSON routes; the pod runner
+        # writes each container's output to <pod_logs_dir>/<pod>.log.
+        target = parse_target(f"/api/v1/namespaces/{namespace}/pods/{name}")
+        try:
+            assert target is not None
+            self._store.existing(target)
+            params = {key: raw.query.get(key) for key in ("tailLines", "limitBytes")}
+            numbers = {}
+            for key, value in params.items():
+                if value is not None and not value.lstrip("-").isdigit():
+                    raise ValueError(f"{key}: must be an integer, got {value!r}")
+                numbers[key] = int(value) if value is not None else None
+            text = b""
+            if self.pod_logs_dir is not None:
+                text = read_container_log(Path(self.pod_logs_dir) / f"{name}.log",
+                                          tail_lines=numbers["tailLines"], limit_bytes=numbers["limitBytes"])
+        except ValueError as e:
+            body = status(400, "BadRequest", str(e), {})
+            return aiohttp.web.json_response(body, status=400)
+        except kmock.KubernetesError as e:
+            return await self._render_error(e)
+        return aiohttp.web.Response(body=text, content_type="text/plain")
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         # Skip the stock emulator's write interception: the routes above do the writes.

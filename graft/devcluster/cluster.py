@@ -104,7 +104,8 @@ class DevCluster:
         self.workdir = Path(opts.workdir)
         self.kubeconfig = self.workdir / "kubeconfig"
         self.token = secrets.token_urlsafe(24)
-        self.api_server = ApiServer(crd_paths=[CRDS], port=opts.api_port, history_limit=opts.api_history)
+        self.api_server = ApiServer(crd_paths=[CRDS], port=opts.api_port, history_limit=opts.api_history,
+                                    pod_logs_dir=self.workdir / "pods")
         self.api: httpx.AsyncClient | None = None
         self.pods: PodRunner | None = None
         self.prometheus: PrometheusServer | None = None

@@ -39,3 +39,24 @@ def test_missing_log_is_empty_and_bad_parameters_are_named(tmp_path: Path) -> No
         read_container_log(tmp_path / "x.log", tail_lines=-1)
     with pytest.raises(ValueError, match="limitBytes"):
         read_container_log(tmp_path / "x.log", limit_bytes=0)
+
+
+async def test_the_emulator_serves_a_pods_log_as_text(tmp_path: Path) -> None:
+    import httpx
+
+    from graft.devcluster.apiserver import ApiServer
+
+    _run_into(tmp_path / "worker.log", "print('hello'); print('{\"score\": 0.9}')", 0)
+    async with ApiServer(pod_logs_dir=tmp_path) as server, httpx.AsyncClient(base_url=server.url) as http:
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "worker", "namespace": "default"},
+               "spec": {"containers": [{"name": "main", "image": "python"}]}}
+        assert (await http.post("/api/v1/namespaces/default/pods", json=pod)).status_code == 201
+        full = await http.get("/api/v1/namespaces/default/pods/worker/log")
+        assert full.status_code == 200 and full.text == 'hello\n{"score": 0.9}\n'
+        assert full.headers["content-type"].startswith("text/plain")
+        tail = await http.get("/api/v1/namespaces/default/pods/worker/log", params={"tailLines": "1"})
+        assert tail.text == '{"score": 0.9}\n'
+        bad = await http.get("/api/v1/namespaces/default/pods/worker/log", params={"tailLines": "-1"})
+        assert bad.status_code == 400 and "tailLines" in bad.json()["message"]
+        missing = await http.get("/api/v1/namespaces/default/pods/nobody/log")
+        assert missing.status_code == 404
