@@ -22,6 +22,8 @@ from graft.operator.fleet import (FleetOverlap, active_rollout, create_for_gated
 from graft.operator.kube import cluster_template_path, fleet_path, rollout_path, template_path
 from graft.operator.pods import AddressError
 from graft.operator.problems import PrometheusRefused, SecretError, TokenError
+from graft.operator.prometheus import ProviderError
+from graft.operator.web import allowed_url
 from graft.operator.revisions import Container, engine_answer
 from graft.operator.routers import RouteError, Router, router_for
 from graft.operator.runtime import Runtime
@@ -197,7 +199,8 @@ class Reconciliation:
         self.errors: dict[str, PodError] = {}
         self.problem: Problem | None = None
         # a Prometheus the operator may not ask fails the rollout before anything is read or sent
-        self.refusal = runtime.prometheus_refusal(spec.analysis.prometheus, self.namespace)
+        self.refusal = runtime.prometheus_refusal(spec.analysis.prometheus, self.namespace) or \
+            runtime.web_refusal([c for c in spec.analysis.checks if c.web is not None], self.namespace)
         self.executor = PodExecutor(runtime, self.namespace, self.workloads, self.pods, classify=self.pod_error)
         self.recorded: tuple[PatchSpec, ...] | None = None   # the fleet's patches, once read
         self.overlap = ""                        # why `start` found the rollout's pods shared with another fleet
@@ -316,12 +319,37 @@ class Reconciliation:
 
     # observing
     async def measure(self, status: RolloutStatus) -> list[Measurement]:
+        """Every check's Measurement, each from its provider: Prometheus or the web provider."""
         plan = plan_run(self.spec, status, self.namespace, self.now)
+        web = [(check, series) for check, series in plan if any(s.provider == "web" for s in series)]
+        prom = [(check, series) for check, series in plan if (check, series) not in web]
+        out = await self.measure_web(web) if web else []
+        if not prom:
+            return out
         try:
             provider = await self.runtime.provider(self.spec.analysis.prometheus, self.namespace)
         except (SecretError, PrometheusRefused) as e:
-            return [Measurement(check.key, error=e.problem.message) for check, _ in plan]
-        return await provider.measure(plan)
+            return out + [Measurement(check.key, error=e.problem.message) for check, _ in prom]
+        except ProviderError as e:      # a client certificate that does not load: an error, not a crash
+            return out + [Measurement(check.key, error=str(e)) for check, _ in prom]
+        return out + await provider.measure(prom)
+
+    async def measure_web(self, plan: list) -> list[Measurement]:
+        refusal = self.runtime.web_refusal([check for check, _ in plan], self.namespace)
+        if refusal is not None:     # refused at the start already (self.refusal): nothing is sent
+            return [Measurement(check.key, error=refusal.message) for check, _ in plan]
+
+        async def one(check, series) -> Measurement:
+            for s in series:    # as filled with this run's revisions: still under the allow-list
+                if not allowed_url(s.web.url, self.runtime.settings.web_allowed):
+                    return Measurement(check.key, error=f"check {check.name}: {s.web.url} is not an address "
+                                                        "this operator may ask (GRAFT_WEB_ALLOWED)")
+            try:
+                headers = [await self.runtime.web_headers(s.web, self.namespace) for s in series]
+            except SecretError as e:
+                return Measurement(check.key, error=e.problem.message)
+            return await self.runtime.web.measure(check.key, series, headers)
+        return list(await asyncio.gather(*(one(check, series) for check, series in plan)))
 
     async def observe(self, status: RolloutStatus, measurements: list[Measurement] | None) -> Observation:
         problem = self.refusal or self.problem
@@ -342,7 +370,8 @@ class Reconciliation:
         # each pod version is read once (PodCache.derived), and a copy filled in for this round
         observed = [copy.copy(self.runtime.pod_cache.derived(p, podsmod.observe_pod)) for p in raw]
         asks = [pod for pod in observed if self.settle(status, pod, admin)]
-        await asyncio.gather(*(self.revision(pod, admin) for pod in asks))
+        # a rollout starts from what the engines say: the book may be as old as the slow resync
+        await asyncio.gather(*(self.revision(pod, admin, fresh=not status.pods) for pod in asks))
         problem = problem or self.problem         # what the engines' answers showed (check_code)
         route_weight = None
         try:
@@ -366,6 +395,10 @@ class Reconciliation:
         pod.error = self.errors.get(pod.name)
         if pod.revision is not None or not pod.ready or admin is None or pod.error is not None:
             return False
+        if not status.pods:
+            # a rollout starts from what the engines say, not from memory: the book may be as old as
+            # the slow resync, and what a rollout takes for stable decides what it applies and judges
+            return True
         address = self.workloads.address(self.pods[pod.name])
         known = self.runtime.revisions.known(address, Container.of(pod)) if address is not None else None
         if known is None:
@@ -374,13 +407,13 @@ class Reconciliation:
         self.check_code(pod.name, known)
         return False
 
-    async def revision(self, pod: PodObservation, admin: AdminClient) -> None:
+    async def revision(self, pod: PodObservation, admin: AdminClient, fresh: bool = False) -> None:
         """Ask the pod's engine what it runs (GET /admin/patches), a few engines at a time."""
         try:
             # what the operator knows of this very container (its own applies, the fleet's answers)
-            # first; an engine is asked only beyond it, a few at a time (graft.operator.revisions)
+            # first, unless `fresh`; an engine is asked only beyond it, a few at a time
             answer = await engine_answer(self.runtime.revisions, admin, self.executor.address(pod.name),
-                                         Container.of(pod), self.questions)
+                                         Container.of(pod), self.questions, fresh=fresh)
             pod.revision = answer.revision
             self.runtime.unauthorized.pop(f"{self.namespace}/{pod.name}", None)
         except (AdminError, AddressError) as e:

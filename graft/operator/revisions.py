@@ -193,11 +193,11 @@ class RecordingAdmin:
 
 
 async def engine_answer(book: RevisionBook, admin, address: Address, container: Container,
-                        limit: asyncio.Semaphore) -> EngineAnswer:
-    """What the engine at `address` runs: from `book` while that knowledge holds, else asked (GET
-    /admin/patches, at most `limit` of them in flight) and learnt. An AdminError leaves the book as
-    it was: the engine is asked again next tick."""
-    known = book.known(address, container)
+                        limit: asyncio.Semaphore, *, fresh: bool = False) -> EngineAnswer:
+    """What the engine at `address` runs: from `book` while that knowledge holds (unless `fresh`),
+    else asked (GET /admin/patches, at most `limit` of them in flight) and learnt. An AdminError
+    leaves the book as it was: the engine is asked again next tick."""
+    known = None if fresh else book.known(address, container)
     if known is not None:
         return known
     async with limit:
