@@ -87,6 +87,7 @@ class Container:
     waiting: ContainerError | None = None   # the last start failed: why
     last_exit: int | None = None            # exit code of the previous run
     ports: dict[str, int] = field(default_factory=dict)   # the container's named ports, as its pod declares them
+    finished: float | None = None           # the container ran to its end and is not restarted (restartPolicy)
 
 
 class PodRunner:
@@ -244,12 +245,16 @@ class PodRunner:
         c = self.containers.get(name)
         if c is None:
             c = self.containers[name] = Container(name, self._take_ip(pod))
-        if c.process is None or c.process.poll() is not None:
+        if c.finished is None and (c.process is None or c.process.poll() is not None):
             if c.process is not None:
-                c.restarts += 1
                 code = c.process.returncode  # negative: killed by that signal; kubelet says 128 + signal
                 c.last_exit = 128 - code if code < 0 else code
                 c.process = None
+                if not _restarts(pod, c.last_exit):
+                    c.finished = time.time()
+                    log.info("pod %s: container exited (%s); restartPolicy keeps it stopped", name, c.last_exit)
+                    return await self._sync_status(c, pod)
+                c.restarts += 1
                 log.warning("pod %s: container exited (%s); restarting", name, c.last_exit)
             await self._start(c, pod)
         return await self._sync_status(c, pod)
@@ -428,7 +433,11 @@ class PodRunner:
         """The status fields kubelet writes for the pod, as they are now."""
         cname = pod["spec"]["containers"][0].get("name", "engine")
         started = datetime.fromtimestamp(c.started, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        if alive:
+        if c.finished is not None:
+            finished = datetime.fromtimestamp(c.finished, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            state = {"terminated": {"exitCode": c.last_exit, "reason": "Completed" if c.last_exit == 0 else "Error",
+                                    "startedAt": started, "finishedAt": finished, "containerID": c.container_id}}
+        elif alive:
             state = {"running": {"startedAt": started}}
         elif c.waiting is not None:
             state = {"waiting": {"reason": c.waiting.reason, "message": str(c.waiting)}}
@@ -436,10 +445,13 @@ class PodRunner:
             state = {"waiting": {"reason": "ContainerCreating"}}
         cs = {"name": cname, "ready": c.ready, "restartCount": c.restarts, "containerID": c.container_id,
               "image": "graft-engine:dev", "started": alive, "state": state}
-        if c.last_exit is not None:
+        if c.last_exit is not None and c.finished is None:
             cs["lastState"] = {"terminated": {"exitCode": c.last_exit,
                                               "reason": "Completed" if c.last_exit == 0 else "Error"}}
-        return {"phase": "Running" if alive else "Pending",
+        phase = "Running" if alive else "Pending"
+        if c.finished is not None:
+            phase = "Succeeded" if c.last_exit == 0 else "Failed"
+        return {"phase": phase,
                 "podIP": c.ip, "podIPs": [{"ip": c.ip}], "hostIP": "127.0.0.1",
                 "conditions": pod_conditions(pod, c.ready, cname),
                 "containerStatuses": [cs]}
@@ -478,6 +490,12 @@ class PodRunner:
             return
         if r.status_code not in (200, 201, 409):  # 409: written meanwhile; the next pass looks again
             r.raise_for_status()
+
+
+def _restarts(pod: dict, exit_code: int) -> bool:
+    """Whether kubelet starts a pod's exited container again: restartPolicy Always, or OnFailure after a failure."""
+    policy = (pod.get("spec") or {}).get("restartPolicy") or "Always"
+    return policy == "Always" or (policy == "OnFailure" and exit_code != 0)
 
 
 def pod_ready(pod: dict) -> bool:
