@@ -50,6 +50,8 @@ from typing import Any
 
 import httpx
 
+from graft.devcluster.jobs import reconcile_jobs
+
 log = logging.getLogger(__name__)
 
 MANAGED = "graft.dev/dev-cluster"
@@ -141,6 +143,7 @@ class PodRunner:
             try:
                 await self._reconcile_deployments()
                 pods = await self._reconcile_pods()
+                await reconcile_jobs(self.api, self.namespace, pods)
                 await self._reconcile_endpoints(pods)
             except (httpx.HTTPError, OSError) as exc:
                 log.warning("pod runner: API unreachable (%s); retrying", exc)
