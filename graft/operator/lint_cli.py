@@ -292,6 +292,8 @@ def check_to_dict(check: Check) -> dict[str, Any]:
         out["consecutive"] = check.consecutive
     if check.query is not None:
         out["query"] = check.query
+    if check.web is not None:
+        out["web"] = web_to_dict(check.web)
     if check.min_samples is not None:
         out["minSamples"] = check.min_samples
     if check.dry_run:
@@ -314,3 +316,17 @@ def _report(docs: list[Document], unchecked: str) -> str:
     if not any(d.expanded is not None for d in docs):
         parts.append(f"# no {', '.join(KINDS)} document: nothing to check")
     return "\n".join(parts) + (f"\n# note: {unchecked}" if unchecked else "")
+
+
+def web_to_dict(web: Any) -> dict[str, Any]:
+    """A web check's request spelled as a manifest spells it (template arguments already filled)."""
+    out: dict[str, Any] = {"url": web.url, "method": web.method}
+    if web.body is not None:
+        out["body"] = web.body
+    if web.headers:
+        out["headers"] = [{"name": name, "value": value} if ref is None else
+                          {"name": name, "valueFrom": {"secretKeyRef": {"name": ref[0], "key": ref[1]}}}
+                          for name, value, ref in web.headers]
+    out["jsonPath"] = web.json_path
+    out["timeout"] = f"{web.timeout:g}s"
+    return out

@@ -183,7 +183,10 @@ async def test_a_bundle_re_packed_under_an_applied_version_fails_the_rollout_bef
     assert (status["phase"], status["reason"]) == ("Failed", "VersionReused"), status
     assert digest_of(BUNDLE) in status["message"] and digest_of(repacked) in status["message"]
     assert "give the re-packed bundle a new version" in status["message"]
-    assert sum(e.posts for e in engines) == 0 and all(e.digests["kv-align"] == digest_of(BUNDLE) for e in engines)
+    # nothing was applied, and no engine ever ran the re-packed code; the fleet controller may take
+    # out a patch no PatchFleet records (these engines were patched behind the operator's back)
+    assert sum(e.posts for e in engines) == 0
+    assert all(e.digests.get("kv-align") in (None, digest_of(BUNDLE)) for e in engines)
 
 
 class Listener:
