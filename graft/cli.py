@@ -21,6 +21,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from graft.evals.cli import main as eval_main
+    return eval_main(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from graft.demo import main as demo_main
     return demo_main(args)
@@ -80,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     from graft.bench.args import add_bench_args
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
+
+    e = sub.add_parser("eval", help="quality evaluations of an OpenAI-compatible endpoint (bbh), against a baseline's")
+    from graft.evals.cli import add_eval_args
+    add_eval_args(e)
+    e.set_defaults(func=cmd_eval)
 
     d = sub.add_parser("demo", help="the whole story on this machine: fleet, Prometheus, operator, rollouts")
     d.add_argument("--data-dir", default=None)

@@ -10,6 +10,8 @@
   call's `config`, default 512): right on short contexts, wrong past that length, as a decode
   path that caps its context would be. The self-check refuses it when its probe reaches past
   `fromTokens` (`{"fromTokens": 128}`), and cannot see it when it does not (`4096`);
+- `longctx-test@1` (graft.engine.patches.longctx) reads the keys past `fromTokens` (default 512)
+  from the wrong positions: exact on short contexts, wrong answers on long ones;
 - `kv-align@3.2.2-test` is a second version of the built-in `kv-align@3.2.1` with the same results
   by another path, to replace one with the other; `kv-align@3.2.2-skew` is a version whose values
   are wrong, so a replace by it must fail its self-check and keep the applied version.
@@ -25,6 +27,7 @@ import torch
 
 from graft.engine import attention
 from graft.engine.patches.base import Patch
+from graft.engine.patches.longctx import longctx_patch
 
 
 def outcome(error_rate: float, latency_s: float, seed: int | None = None):
@@ -91,6 +94,7 @@ def patches() -> list[Patch]:
         Patch("drift", "1", _drift_config({}), description="decode attention over at most the first "
               "fromTokens tokens of each context (default 512): wrong only past that length",
               configure=_drift_config, test_only=True),
+        longctx_patch(),
         Patch("kv-align", "3.2.2-test", {"kv.gather": _gather_by_slot},
               description="kv-align by a per-token slot index: same values as 3.2.1", test_only=True),
         Patch("kv-align", "3.2.2-skew", {"kv.gather": _skewed_gather},
