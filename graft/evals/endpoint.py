@@ -50,9 +50,13 @@ class Endpoint:
     @classmethod
     async def open(cls, client: httpx.AsyncClient, url: str) -> "Endpoint":
         """The endpoint at `url` and the model it serves (the first of `GET /v1/models`)."""
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL:
+            parsed = None
+        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+            raise Refused(f"{url!r} is not an http:// or https:// URL with a host")
         url = base_url(url)
-        if not url.startswith(("http://", "https://")):
-            raise Refused(f"{url!r} is not an http:// or https:// URL")
         try:
             reply = await client.get(f"{url}/v1/models", timeout=30)
         except (httpx.TransportError, httpx.InvalidURL) as e:

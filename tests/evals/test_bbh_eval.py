@@ -175,3 +175,21 @@ def test_a_refused_question_exits_2_with_the_engines_reason(capsys):
         code, result, err = run(capsys, "--url", fake.url, "--tasks", TASKS)
     assert (code, result) == (2, None)
     assert "refused a question with 400" in " ".join(err.split()) and "scripted 400" in err
+
+
+@pytest.mark.parametrize("url, message", [
+    ("127.0.0.1:8000", "'127.0.0.1:8000' is not an http:// or https:// URL with a host"),
+    ("http://", "'http://' is not an http:// or https:// URL with a host"),
+    ("ftp://127.0.0.1/", "'ftp://127.0.0.1/' is not an http:// or https:// URL with a host"),
+])
+def test_a_url_that_names_no_endpoint_exits_2(capsys, url, message):
+    code, result, err = run(capsys, "--url", url, "--tasks", TASKS)
+    assert (code, result) == (2, None)
+    assert message in " ".join(err.split())
+
+
+def test_an_endpoint_that_lists_no_model_is_not_scored(capsys):
+    with fake_openai(lambda p: "") as fake:
+        code, result, err = run(capsys, "--url", fake.url + "/nothing-here", "--tasks", TASKS)
+    assert (code, result) == (2, None)
+    assert "/nothing-here/v1/models answered 404" in " ".join(err.split())
