@@ -160,6 +160,8 @@ class Reason(StrEnum):
                                       "the rollout names Prometheus Secrets the operator may not read", WARNING)
     PROMETHEUS_SECRET_MISSING = "PrometheusSecretMissing", "a Prometheus Secret or key is missing", WARNING
     WEB_NOT_ALLOWED = "WebNotAllowed", "a web check names an address the operator may not ask", WARNING
+    JOB_NOT_ALLOWED = "JobNotAllowed", ("a job check where the operator runs none, or whose pod would run as a "
+                                        "service account it may not use"), WARNING
     # fleets and history
     CONVERGED = "Converged", "status only (a PatchFleet's Converged condition): every pod runs its patches"
     CONVERGING = ("Converging",

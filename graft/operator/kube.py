@@ -101,6 +101,11 @@ class Kube:
         reply = await self._call("GET", path, params=params or None)
         return None if reply.status_code == 404 else reply.json()
 
+    async def text(self, path: str, **params: str) -> str | None:
+        """A plain-text answer (a pod's log); None for a 404."""
+        reply = await self._call("GET", path, params=params or None)
+        return None if reply.status_code == 404 else reply.text
+
     async def list(self, path: str, label_selector: str | None = None,
                    field_selector: str | None = None) -> list[dict[str, Any]]:
         """The items of a collection ([] when the collection does not exist)."""
@@ -229,6 +234,10 @@ def statefulset_path(namespace: str, name: str) -> str:
 
 def deployment_path(namespace: str, name: str) -> str:
     return f"/apis/apps/v1/namespaces/{quote(namespace)}/deployments/{quote(name)}"
+
+
+def job_path(namespace: str, name: str | None = None) -> str:
+    return f"/apis/batch/v1/namespaces/{namespace}/jobs" + (f"/{name}" if name else "")
 
 
 def secret_path(namespace: str, name: str) -> str:

@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.text import Text
 
 from graft.api import API_VERSION
+from graft.rollout.durations import format_duration
 from graft.rollout.spec import (BREAKER, DEFAULT_REVISION_HISTORY_LIMIT, K8S_NAME_PATTERN, Check, FieldError,
                                 RolloutSpec, SpecError, parse_fleet_spec, parse_spec, template_refs, with_defaults)
 
@@ -294,6 +295,8 @@ def check_to_dict(check: Check) -> dict[str, Any]:
         out["query"] = check.query
     if check.web is not None:
         out["web"] = web_to_dict(check.web)
+    if check.job is not None:
+        out["job"] = job_to_dict(check.job)
     if check.min_samples is not None:
         out["minSamples"] = check.min_samples
     if check.dry_run:
@@ -329,4 +332,17 @@ def web_to_dict(web: Any) -> dict[str, Any]:
                           for name, value, ref in web.headers]
     out["jsonPath"] = web.json_path
     out["timeout"] = f"{web.timeout:g}s"
+    return out
+
+
+def job_to_dict(job: Any) -> dict[str, Any]:
+    """A job check spelled as a manifest spells it (template arguments already filled; what the
+    operator adds to the Job it makes, graft.operator.jobs, is the Job's, not the check's)."""
+    out: dict[str, Any] = {}
+    if job.labels or job.annotations:
+        out["metadata"] = {k: dict(v) for k, v in (("labels", job.labels), ("annotations", job.annotations)) if v}
+    out["spec"] = job.spec
+    if job.json_path is not None:
+        out["jsonPath"] = job.json_path
+    out["timeout"] = format_duration(job.timeout)
     return out

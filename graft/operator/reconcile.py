@@ -200,7 +200,8 @@ class Reconciliation:
         self.problem: Problem | None = None
         # a Prometheus the operator may not ask fails the rollout before anything is read or sent
         self.refusal = runtime.prometheus_refusal(spec.analysis.prometheus, self.namespace) or \
-            runtime.web_refusal([c for c in spec.analysis.checks if c.web is not None], self.namespace)
+            runtime.web_refusal([c for c in spec.analysis.checks if c.web is not None], self.namespace) or \
+            runtime.job_refusal([c for c in spec.analysis.checks if c.job is not None])
         self.executor = PodExecutor(runtime, self.namespace, self.workloads, self.pods, classify=self.pod_error)
         self.recorded: tuple[PatchSpec, ...] | None = None   # the fleet's patches, once read
         self.overlap = ""                        # why `start` found the rollout's pods shared with another fleet
@@ -319,20 +320,38 @@ class Reconciliation:
 
     # observing
     async def measure(self, status: RolloutStatus) -> list[Measurement]:
-        """Every check's Measurement, each from its provider: Prometheus or the web provider."""
+        """Every check's Measurement, in the plan's order, each from its provider (`Series.provider`)."""
         plan = plan_run(self.spec, status, self.namespace, self.now)
-        web = [(check, series) for check, series in plan if any(s.provider == "web" for s in series)]
-        prom = [(check, series) for check, series in plan if (check, series) not in web]
-        out = await self.measure_web(web) if web else []
-        if not prom:
-            return out
+        by_provider: dict[str, list] = {}
+        for check, series in plan:
+            name = next((s.provider for s in series if s.provider != "prometheus"), "prometheus")
+            by_provider.setdefault(name, []).append((check, series))
+        providers = {"prometheus": self.measure_prometheus, "web": self.measure_web,
+                     "job": lambda part: self.measure_jobs(part, status)}
+        found = await asyncio.gather(*(providers[name](part) for name, part in by_provider.items()))
+        by_key = {m.check: m for measured in found for m in measured}
+        return [by_key[check.key] for check, _ in plan]
+
+    async def measure_prometheus(self, plan: list) -> list[Measurement]:
         try:
             provider = await self.runtime.provider(self.spec.analysis.prometheus, self.namespace)
         except (SecretError, PrometheusRefused) as e:
-            return out + [Measurement(check.key, error=e.problem.message) for check, _ in prom]
+            return [Measurement(check.key, error=e.problem.message) for check, _ in plan]
         except ProviderError as e:      # a client certificate that does not load: an error, not a crash
-            return out + [Measurement(check.key, error=str(e)) for check, _ in prom]
-        return out + await provider.measure(prom)
+            return [Measurement(check.key, error=str(e)) for check, _ in plan]
+        return await provider.measure(plan)
+
+    async def measure_jobs(self, plan: list, status: RolloutStatus) -> list[Measurement]:
+        refusal = self.runtime.job_refusal([check for check, _ in plan])
+        if refusal is not None:     # refused at the start already (self.refusal): nothing is made
+            return [Measurement(check.key, error=refusal.message) for check, _ in plan]
+        meta = self.body["metadata"]
+        owner = {"name": meta["name"], "uid": meta.get("uid") or meta["name"]}
+        return list(await asyncio.gather(*(
+            self.runtime.jobs.measure(self.runtime.kube, check.key, series[0].job, namespace=self.namespace,
+                                      owner=owner, check=check.name, step=status.step_index,
+                                      step_started=status.step_started_at)
+            for check, series in plan)))
 
     async def measure_web(self, plan: list) -> list[Measurement]:
         refusal = self.runtime.web_refusal([check for check, _ in plan], self.namespace)

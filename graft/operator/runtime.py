@@ -17,6 +17,7 @@ from graft.adminapi import AdminClient
 from graft.operator.kube import Kube, KubeError, secret_path, secret_value
 from graft.operator.kubeconfig import EXPIRY_MARGIN, load_credentials
 from graft.operator.hooks import HookCaller
+from graft.operator.jobs import JobProvider
 from graft.operator.metrics import OperatorMetrics
 from graft.operator.notify import Notifier, receivers_from_env
 from graft.operator.outbox import Outbox
@@ -54,6 +55,7 @@ class Runtime:
         self._reported: set[tuple[str, str]] = set()   # (object, pod uid) already reported as no engine
         self._providers: dict[tuple, PrometheusProvider] = {}
         self.web = WebProvider()
+        self.jobs = JobProvider()
         self.metrics = OperatorMetrics()
         # notifications and webhooks: gates are awaited by reconciliations, everything else leaves
         # through the outbox in the background (graft.operator.notify, graft.operator.hooks)
@@ -194,6 +196,26 @@ class Runtime:
                                f"check {check.name}: web.headers: this operator reads no Secrets in namespace "
                                f"{namespace} (GRAFT_PROMETHEUS_SECRET_NAMESPACES, the chart's rbac.prometheusSecrets)",
                                permanent=True)
+        return None
+
+    def job_refusal(self, checks: Iterable[Any]) -> Problem | None:
+        """Why the operator will not run a job check's Job (a permanent Problem), or None: job checks
+        are off (GRAFT_JOB_CHECKS), or the pod would run as a service account not allowed
+        (GRAFT_JOB_SERVICE_ACCOUNTS): a rollout's author gets no rights through the operator that the
+        administrator did not hand out."""
+        s = self.settings
+        for check in checks:
+            if not s.job_checks:
+                return Problem(Reason.JOB_NOT_ALLOWED,
+                               f"check {check.name}: this operator runs no job checks (the cluster administrator "
+                               "turns them on with GRAFT_JOB_CHECKS, the chart's jobChecks.enabled)", permanent=True)
+            pod = (check.job.spec.get("template") or {}).get("spec") or {}
+            account = pod.get("serviceAccountName") or pod.get("serviceAccount") or "default"
+            if account not in s.job_service_accounts:
+                return Problem(Reason.JOB_NOT_ALLOWED,
+                               f"check {check.name}: job.spec.template.spec.serviceAccountName {account!r} is not a "
+                               f"service account job checks may run as (allowed: {', '.join(s.job_service_accounts)}; "
+                               "GRAFT_JOB_SERVICE_ACCOUNTS, the chart's jobChecks.serviceAccounts)", permanent=True)
         return None
 
     async def web_headers(self, web: Any, namespace: str) -> dict[str, str]:

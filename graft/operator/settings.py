@@ -134,6 +134,10 @@ class OperatorSettings:
                                                       help="namespaces where Prometheus Secrets are read")
     web_allowed: list[str] = setting(factory=list, env="GRAFT_WEB_ALLOWED",
                                      help="addresses web checks may ask (URL prefixes); none by default")
+    job_checks: bool = setting(False, env="GRAFT_JOB_CHECKS",
+                               help="run job checks: a Job per check and step in the rollout's namespace")
+    job_service_accounts: list[str] = setting(factory=lambda: ["default"], env="GRAFT_JOB_SERVICE_ACCOUNTS",
+                                              help="the service accounts a job check's pod may run as")
     metrics_port: int | None = setting(None, env="GRAFT_METRICS_PORT", minimum=1, maximum=65535,
                                        help="the port of the operator's own /metrics (0 or unset: not served)")
     peering: str | None = setting(None, env="GRAFT_PEERING",

@@ -96,7 +96,13 @@ def judge(check: Check, m: Measurement | None, analysis: Analysis, *,
         result.verdict = ERROR
         result.message = f"{check.name}: {m.error if m is not None else 'not measured'}"
         return result
+    if m.pending:
+        result.verdict, result.pending = INCONCLUSIVE, True
+        result.message = f"{check.name}: {m.pending}"
+        return result
     outcome = _JUDGES[check.kind](check, m, analysis)
+    if m.final and outcome.verdict == FAILED:
+        outcome.conclusive = True     # one number for the whole step: waiting cannot change it
     result.value, result.numbers = outcome.value, outcome.numbers
     result.short = outcome.short
     if outcome.verdict == INCONCLUSIVE and not outcome.short:
@@ -272,7 +278,8 @@ def _value(check: Check, m: Measurement, a: Analysis) -> _Outcome:
                                           f"fewer than minSamples {check.min_samples}", None, short=True)
     if value is None or math.isnan(value):
         return _Outcome(INCONCLUSIVE, f"{check.name}: the query returned no data", None)
-    what = f"{check.name} {_fmt(value)} over {check.window_text}"
+    source = "from its Job" if getattr(check, "job", None) is not None else f"over {check.window_text}"
+    what = f"{check.name} {_fmt(value)} {source}"
     limit = dict(limit=check.max if check.max is not None else check.min)
     if check.breached(value):
         return _Outcome(FAILED, f"{what} breaches {check.threshold}", value, measured=value, **limit)
@@ -326,7 +333,7 @@ def verdict_of(analysis: Analysis, results: list[CheckResult], *, final_evidence
     for r in deciding:
         if r.verdict == SUCCESSFUL:
             continue
-        if r.role == BREAKER and r.verdict == INCONCLUSIVE:
+        if r.role == BREAKER and r.verdict == INCONCLUSIVE and not r.pending:
             continue        # a breaker without data guards nothing, but holds nothing either
         if r.role == GATE and r.verdict == INCONCLUSIVE and r.short and not final_evidence:
             continue        # gathered at a later, larger step
@@ -337,4 +344,4 @@ def verdict_of(analysis: Analysis, results: list[CheckResult], *, final_evidence
 def holding(results: list[CheckResult]) -> list[CheckResult]:
     """The deciding checks that keep a step from advancing this run."""
     return [r for r in _deciding(results) if r.verdict in (FAILED, INCONCLUSIVE, ERROR)
-            and not (r.role == BREAKER and r.verdict == INCONCLUSIVE)]
+            and not (r.role == BREAKER and r.verdict == INCONCLUSIVE and not r.pending)]

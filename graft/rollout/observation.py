@@ -55,12 +55,17 @@ class Measurement:
     returned nothing. `error`: the provider failed (unreachable, a bad query, a timeout); `outage`:
     it failed because Prometheus could not be reached or answered 5xx, which passes by itself (the
     rollout holds and goes on), unlike a refused query or a non-finite answer (the check is wrong).
+    `pending`: the number is on its way (a job check's Job runs), said in words; the check waits,
+    holding the step whatever its role. `final`: the number is all the step will get (a job's), so a
+    gate it breaches rolls back as a conclusive gate does.
     """
 
     check: str
     values: dict[str, float | None] = field(default_factory=dict)
     error: str | None = None
     outage: bool = False
+    pending: str | None = None
+    final: bool = False
 
     def __post_init__(self) -> None:
         """Whatever the provider: NaN reads as no data, an infinite number makes the measurement an

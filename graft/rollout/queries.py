@@ -64,9 +64,11 @@ class Series:
     shadow (the canary's shadow comparisons: `compared`, agreeing or divergent, or `divergent` alone),
     quantile (`q` of histogram `metric`),
     samples (observations in histogram `metric`), cpu (canary CPU utilisation), custom (a user query),
-    web (a number from an HTTP service: `web` is the request, its placeholders filled).
+    web (a number from an HTTP service: `web` is the request, its placeholders filled),
+    job (a number from a Kubernetes Job: `job` is its spec, its placeholders filled).
 
-    `provider` says who answers it: Prometheus (`promql`) or the web provider (`web`).
+    `provider` says who answers it: Prometheus (`promql`), the web provider (`web`) or the job
+    provider (`job`).
     """
 
     key: str
@@ -78,10 +80,11 @@ class Series:
     window: float = 60.0
     promql: str = ""
     web: Any = None          # a graft.rollout.spec.WebSpec with its placeholders filled
+    job: Any = None          # a graft.rollout.spec.JobSpec with its placeholders filled
 
     @property
     def provider(self) -> str:
-        return "web" if self.web is not None else "prometheus"
+        return "web" if self.web is not None else "job" if self.job is not None else "prometheus"
 
 
 @dataclass(slots=True, frozen=True)
@@ -283,12 +286,7 @@ def _quote(value: str) -> str:
 
 def render(template: str, variables: dict[str, str]) -> str:
     """Fill `{{name}}` placeholders; values are escaped for a PromQL string literal."""
-    def sub(m: re.Match) -> str:
-        name = m.group(1)
-        if name not in variables:
-            raise KeyError(f"unknown template variable {{{{{name}}}}}")
-        return _quote(variables[name])
-    return _VAR.sub(sub, template)
+    return _fill(template, variables, _quote)
 
 
 def _sel(ctx: Context, side: str, **extra: str) -> str:
@@ -377,6 +375,8 @@ def plan(check, ctx: Context, window: float) -> list[Series]:
                  "patchVersion": ctx.patch_version}
     if getattr(check, "web", None) is not None:
         return [Series("value", "web", CANARY, window=window, web=render_web(check.web, variables))]
+    if getattr(check, "job", None) is not None:
+        return [Series("value", "job", CANARY, window=window, job=render_job(check.job, variables))]
     out = [Series("value", "custom", CANARY, window=window, promql=render(check.query, variables))]
     if check.min_samples is not None:
         out.append(Series("canary_requests", "count", CANARY, window=window,
@@ -402,6 +402,17 @@ def fill_web_args(template: str, args: dict[str, str], escape) -> str:
     return _ARG.sub(sub, template)
 
 
+def fill_strings(node: Any, fill) -> Any:
+    """`node` (JSON: dicts, lists, scalars) with `fill` applied to every string in it, keys left as they are."""
+    if isinstance(node, str):
+        return fill(node)
+    if isinstance(node, dict):
+        return {k: fill_strings(v, fill) for k, v in node.items()}
+    if isinstance(node, list):
+        return [fill_strings(v, fill) for v in node]
+    return node
+
+
 def url_escape(value: str) -> str:
     return url_quote(value, safe="")
 
@@ -414,3 +425,10 @@ def render_web(web, variables: dict[str, str]):
     """A web check's request with its placeholders filled: URL-escaped in the URL, JSON-escaped in the body."""
     return replace(web, url=_fill(web.url, variables, url_escape),
                    body=None if web.body is None else _fill(web.body, variables, json_escape))
+
+
+def render_job(job, variables: dict[str, str]):
+    """A job check's spec with its placeholders filled in every string, as written (no escaping: each
+    string stays one JSON string)."""
+    spec = fill_strings(job.spec, lambda text: _fill(text, variables, str))
+    return replace(job, spec_json=json.dumps(spec, sort_keys=True, separators=(",", ":")))

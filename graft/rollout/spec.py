@@ -21,6 +21,7 @@ Every error names the field path, the way the API server does (`spec.steps[2].we
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -213,6 +214,29 @@ class WebSpec:
         return queries.is_comparison(self.url + (self.body or ""))
 
 
+MAX_JOB_TIMEOUT = 3600.0
+
+
+@dataclass(slots=True, frozen=True)
+class JobSpec:
+    """A job check's Job: its batch/v1 JobSpec (as JSON, so the spec stays hashable), labels and
+    annotations, where the number is in its log (None: its exit code), and how long it may run."""
+
+    spec_json: str
+    labels: tuple[tuple[str, str], ...] = ()
+    annotations: tuple[tuple[str, str], ...] = ()
+    json_path: str | None = None
+    timeout: float = 600.0
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return json.loads(self.spec_json)
+
+    @property
+    def comparison(self) -> bool:
+        return queries.is_comparison(self.spec_json)
+
+
 @dataclass(slots=True, frozen=True)
 class Check:
     """One check of the analysis: a breaker (rolls back) or a gate (must hold to promote a step)."""
@@ -230,6 +254,7 @@ class Check:
     dry_run: bool = False
     min_samples: int | None = None     # the traffic floor; None: derived from the threshold
     web: WebSpec | None = None         # custom checks: a number from an HTTP service instead of PromQL
+    job: JobSpec | None = None         # custom checks: a number from a Kubernetes Job
 
     @property
     def kind(self) -> str:
@@ -250,7 +275,8 @@ class Check:
     def comparison(self) -> bool:
         """True when the check compares canary with stable (meaningless once no stable pod is left)."""
         if self.metric == "custom":
-            return self.web.comparison if self.web is not None else queries.is_comparison(self.query or "")
+            source = self.web or self.job
+            return source.comparison if source is not None else queries.is_comparison(self.query or "")
         return self.kind == "difference" or self.max_ratio is not None
 
     @property
@@ -636,7 +662,9 @@ def _check(r: _Errors, c: common.Check, args: dict[str, str], path: str, role: s
             r.fail(f"{path}.query", f"unknown template variable(s) {', '.join(unknown)} "
                                     f"(known: {', '.join(queries.TEMPLATE_VARS)})")
     web = _web(r, c.web, args, f"{path}.web") if c.web is not None else None
-    metric = c.metric or ("custom" if query is not None or c.web is not None or c.name not in BUILTIN_METRICS
+    job = _job(r, c.job, args, f"{path}.job") if c.job is not None else None
+    metric = c.metric or ("custom" if query is not None or c.web is not None or c.job is not None
+                          or c.name not in BUILTIN_METRICS
                           else c.name)
     kind = "custom" if metric == "custom" else BUILTIN_METRICS[metric]["kind"]
     hi, lo, ratio = c.max, c.min, c.max_ratio
@@ -674,7 +702,34 @@ def _check(r: _Errors, c: common.Check, args: dict[str, str], path: str, role: s
     if len(r.errors) > errors_before:
         return None
     return Check(c.name, role, metric, hi, lo, ratio, window, str(window_text), c.consecutive or 1, query,
-                 bool(c.dry_run), c.min_samples, web)
+                 bool(c.dry_run), c.min_samples, web, job)
+
+
+def _job(r: _Errors, j: Any, args: dict[str, str], path: str) -> JobSpec | None:
+    """A job check's Job with the template's arguments filled; its containers and timeout checked here
+    (the JobSpec is free-form in the schema: the API server judges the rest when the Job is made)."""
+    try:
+        spec = queries.fill_strings(j.spec, lambda text: queries.fill_web_args(text, args, str))
+    except KeyError as e:
+        r.fail(f"{path}.spec", str(e.args[0]))
+        return None
+    spec_json = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    if len(spec_json) > common.MAX_JOB_SPEC:
+        r.fail(f"{path}.spec", f"must be at most {common.MAX_JOB_SPEC} characters as JSON")
+    containers = ((spec.get("template") or {}).get("spec") or {}).get("containers")
+    if not isinstance(containers, list) or not containers or not all(isinstance(c, dict) for c in containers):
+        r.fail(f"{path}.spec.template.spec.containers", "required: the Job's pod needs a container")
+    unknown = queries.unknown_vars(spec_json)
+    if unknown:
+        r.fail(f"{path}.spec", f"unknown template variable(s) {', '.join(unknown)} "
+                               f"(known: {', '.join(queries.TEMPLATE_VARS)})")
+    timeout = parse_duration(j.timeout)
+    if not 0 < timeout <= MAX_JOB_TIMEOUT:
+        r.fail(f"{path}.timeout", "must be more than 0s and at most 1h")
+    labels = (j.metadata.labels if j.metadata else None) or {}
+    annotations = (j.metadata.annotations if j.metadata else None) or {}
+    return JobSpec(spec_json, tuple(sorted(labels.items())), tuple(sorted(annotations.items())), j.json_path,
+                   timeout)
 
 
 def _web(r: _Errors, w: Any, args: dict[str, str], path: str) -> WebSpec | None:

@@ -85,6 +85,7 @@ class CheckResult:
     conclusive: bool = False           # a gate's failure strong enough to roll back
     short: bool = False                # Inconclusive for lack of traffic (not for lack of data)
     numbers: dict[str, float] = field(default_factory=dict)
+    pending: bool = False              # Inconclusive while its number is made (a job check's Job runs)
 
     def to_dict(self) -> dict[str, Any]:
         return _write(model.CheckStatus, self)

@@ -25,7 +25,7 @@ from tests.deploy.manifests import NAMESPACE, RELEASE, ROOT, load_file, of_kind,
 OPERATOR = ROOT / "graft" / "operator"
 # `graft rollout` (cli.py) runs with the user's own credentials, not the operator's.
 NOT_THE_OPERATOR = {"cli.py"}
-KUBE_METHODS = {"get": "GET", "list": "GET", "list_object": "GET", "watch": "WATCH", "create": "POST",
+KUBE_METHODS = {"get": "GET", "text": "GET", "list": "GET", "list_object": "GET", "watch": "WATCH", "create": "POST",
                 "delete": "DELETE", "merge_patch": "PATCH"}
 # resources with no namespace: the built-in ones kopf reads, and our CRDs of scope Cluster
 CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces"} | {
@@ -34,6 +34,8 @@ CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces"} | {
 SECRET = f"{RELEASE}-admin-token"
 SERVED = "llm"
 SCOPES = {"cluster": {}, "namespace": {"rbac": {"scope": "namespace"}, "watch": {"namespaces": [SERVED]}}}
+# calls made only for job checks, granted only with jobChecks.enabled
+JOB_CHECKS = OPERATOR / "jobs.py"
 
 # (group, resource, verbs, scope it applies to) for what kopf itself calls
 KOPF_CALLS = [
@@ -214,13 +216,26 @@ def granted(bindings) -> set[Grant]:
             for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
 
 
+def job_check_calls() -> set[Grant]:
+    """The calls only job checks make: those made nowhere but graft/operator/jobs.py."""
+    where = str(JOB_CHECKS.relative_to(ROOT))
+    return {call for call, places in operator_calls().items() if all(p.startswith(where + ":") for p in places)}
+
+
+def test_job_checks_make_jobs_and_read_logs_and_nothing_else():
+    assert job_check_calls() == {("batch", "jobs", "get"), ("batch", "jobs", "create"), ("", "pods/log", "get")}
+
+
+@pytest.mark.parametrize("jobs", [False, True], ids=["no-job-checks", "job-checks"])
 @pytest.mark.parametrize("scope", list(SCOPES))
-def test_chart_grants_exactly_the_calls_of_the_operator_and_kopf(chart, scope):
-    objs = render(chart, SCOPES[scope])
+def test_chart_grants_exactly_the_calls_of_the_operator_and_kopf(chart, scope, jobs):
+    objs = render(chart, {**SCOPES[scope], **({"jobChecks": {"enabled": True}} if jobs else {})})
     sa = one(objs, "ServiceAccount")["metadata"]["name"]
     assert pod_template(one(objs, "StatefulSet"))["spec"]["serviceAccountName"] == sa
     bindings = bound_rules(objs, sa)
     needed = set(operator_calls()) | kopf_calls(scope)
+    if not jobs:
+        needed -= job_check_calls()
     beyond, missing = sorted(granted(bindings) - needed), sorted(needed - granted(bindings))
     assert not beyond and not missing, f"granted beyond the calls: {beyond}; missing: {missing}"
 

@@ -102,7 +102,8 @@ def a_full_status() -> RolloutStatus:
                       fleet="llm", stable_patch="kv-align@3.2.0", canary_pods=1, traffic_share=4.5,
                       pods=[PodRecord("p", "u", "c", 1, "canary", "kv-align@3.2.1", 1.7e9)])
     s.analysis = AnalysisStatus(1.7e9, "Failed", [CheckResult("error-rate", "Failed", "<= 0.005", "60s", 0.1, 3, True,
-                                                              "too many", "breaker", True, True, {"errors": 9})],
+                                                              "too many", "breaker", True, True, {"errors": 9},
+                                                              True)],
                                 2, 1, 1.7e9, 3.0)
     s.record_analysis(10)
     s.refresh_conditions(1.7e9)

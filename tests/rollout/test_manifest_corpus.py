@@ -54,6 +54,7 @@ def setting(path: str, value):
 
 DELETE = object()
 # (id, change, the field the refusal must name)
+JOB_SPEC = {"template": {"spec": {"containers": [{"name": "c", "image": "i"}]}}}
 INVALID = [
     ("no-selector", setting("selector", DELETE), "spec.selector"),
     ("empty-selector", setting("selector", {"matchLabels": {}}), "spec.selector"),
@@ -228,12 +229,25 @@ INVALID = [
     ("web-header-value-and-secret", setting("analysis.breakers.0", {"name": "q", "max": 1, "web": {
         "url": "http://e/q", "jsonPath": "$.q", "headers": [{"name": "A", "value": "v", "valueFrom": {
             "secretKeyRef": {"name": "s", "key": "k"}}}]}}), "spec.analysis.breakers[0].web.headers[0]"),
+    ("job-and-web", setting("analysis.gates.0", {"name": "q", "max": 1, "web": {"url": "http://e/q", "jsonPath": "$"},
+                                                 "job": {"spec": JOB_SPEC}}), "spec.analysis.gates[0]"),
+    ("job-json-path-recursive", setting("analysis.gates.0", {"name": "q", "max": 1, "job": {
+        "spec": JOB_SPEC, "jsonPath": "$..d"}}), "spec.analysis.gates[0].job.jsonPath"),
+    ("job-timeout-words", setting("analysis.gates.0", {"name": "q", "max": 1, "job": {
+        "spec": JOB_SPEC, "timeout": "soon"}}), "spec.analysis.gates[0].job.timeout"),
+    ("job-without-spec", setting("analysis.gates.0", {"name": "q", "max": 1, "job": {"jsonPath": "$.d"}}),
+     "spec.analysis.gates[0].job.spec"),
     ("template-argument-1025", setting("analysis.args", [{"name": "tenant", "value": "t" * 1025}]),
      "spec.analysis.args[0].value"),
     ("gate-consecutive", setting("analysis.gates.0.consecutive", 2), "spec.analysis.gates"),
 ]
 # valid edge cases both must accept
 VALID_EDGES = [
+    ("job-with-labels-and-placeholders", setting("analysis.gates.0", {"name": "q", "max": 0.2, "job": {
+        "metadata": {"labels": {"app.kubernetes.io/name": "eval"}},
+        "spec": {"template": {"spec": {"containers": [{"name": "c", "image": "i",
+                                                       "args": ["{{canaryRevision}}", "{{stableRevision}}"]}]}}},
+        "jsonPath": "$.difference", "timeout": "1h"}})),
     ("web-post-with-secret-header", setting("analysis.breakers.0", {"name": "q", "max": 1, "web": {
         "url": "https://evals.ml:8443/score?rev={{canaryRevision}}", "method": "POST", "body": '{"a": 1}',
         "jsonPath": "$.data['score'][0]", "timeout": "60s",
@@ -289,6 +303,11 @@ OPERATOR_ONLY = [
     ("step-pause-list", setting("steps.0.pause", ["1m"]), "spec.steps[0].pause"),
     ("webhook-timeout-over-a-minute", setting("webhooks", [{"name": "h", "type": "rollout", "url": "http://h/",
                                                             "timeout": "2m"}]), "spec.webhooks[0].timeout"),
+    # a job's spec is free-form in the schema (a JobSpec): the operator checks what it needs of it
+    ("job-without-containers", setting("analysis.gates.0", {"name": "q", "max": 1, "job": {
+        "spec": {"template": {"spec": {}}}}}), "spec.analysis.gates[0].job.spec.template.spec.containers"),
+    ("job-timeout-2h", setting("analysis.gates.0", {"name": "q", "max": 1, "job": {"spec": JOB_SPEC, "timeout": "2h"}}),
+     "spec.analysis.gates[0].job.timeout"),
 ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, Field, StringConstraints, WithJsonSchema, field_validator
 
 from graft.rollout.models.base import (ARG_NAME_PATTERN, DURATION_PATTERN, HEADER_NAME_PATTERN, MAX_DURATION,
                                        METRIC_NAME_PATTERN, URL_PATTERN, ApiModel,
@@ -207,15 +207,47 @@ class Web(ApiModel):
             raise refuse(self.cel_rules[0].message, at="body")
 
 
+MAX_JOB_SPEC = 64 * 1024     # characters of a job check's JobSpec, as JSON
+JOB_SPEC_SCHEMA = {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                   "description": "The Job's spec, a batch/v1 JobSpec (template.spec.containers and the rest), "
+                                  "checked by the API server when the Job is made. Every string may use the "
+                                  "placeholders of a query ({{namespace}}, {{canaryRevision}}, {{stableRevision}}, "
+                                  "{{patchName}}, {{patchVersion}}, {{args.NAME}}), filled as they are. Unset, "
+                                  "backoffLimit is 0, activeDeadlineSeconds the timeout and ttlSecondsAfterFinished "
+                                  "one hour."}
+
+
+class JobMetadata(ApiModel):
+    """Labels and annotations for the Job (and, through its template, nothing else)."""
+
+    labels: dict[str, LabelValue] | None = described("Labels of the Job.", default=None)
+    annotations: dict[str, Annotated[str, StringConstraints(max_length=4096)]] | None = described(
+        "Annotations of the Job.", default=None)
+
+
+class JobCheck(ApiModel):
+    """A number from a Kubernetes Job the operator runs in the rollout's namespace, once per step."""
+
+    metadata: JobMetadata | None = described(JobMetadata.__doc__, default=None)
+    spec: Annotated[dict[str, Any], WithJsonSchema(JOB_SPEC_SCHEMA)] = Field(
+        description=JOB_SPEC_SCHEMA["description"])
+    json_path: Annotated[str, StringConstraints(max_length=1024, pattern=JSON_PATH_PATTERN)] | None = described(
+        "Where the number is in the last line of the Job's log that is a JSON object (the same steps as web's "
+        "jsonPath). Unset: the number is the exit code of the Job's container, 0 when it succeeded.", default=None)
+    timeout: Annotated[str, StringConstraints(max_length=MAX_DURATION, pattern=DURATION_PATTERN)] = described(
+        "How long the Job may run (its activeDeadlineSeconds unless the spec sets one); at most 1h. Past it the "
+        "check has no number: an error.", default="10m")
+
+
 class Check(ApiModel):
     """One check of the analysis: a breaker (rolls back) or a gate (must hold for a step to advance)."""
 
     cel_rules: ClassVar = (
-        Cel("has(self.metric) || has(self.query) || has(self.web) || self.name in ["
+        Cel("has(self.metric) || has(self.query) || has(self.web) || has(self.job) || self.name in ["
             + ", ".join(f"'{n}'" for n in BUILTIN_METRIC_NAMES) + "]",
-            "a check that is not built in needs its query or web"),
-        Cel("[has(self.metric), has(self.query), has(self.web)].filter(x, x).size() <= 1",
-            "a check has one source: a built-in metric, a query or web"),
+            "a check that is not built in needs its query, web or job"),
+        Cel("[has(self.metric), has(self.query), has(self.web), has(self.job)].filter(x, x).size() <= 1",
+            "a check has one source: a built-in metric, a query, web or job"),
         Cel("has(self.max) || has(self.min) || has(self.maxRatio)", "a check needs a threshold: max, min or maxRatio"),
         Cel("!has(self.max) || !has(self.min) || self.min <= self.max", "min must not exceed max"),
     )
@@ -238,6 +270,10 @@ class Check(ApiModel):
         "{{window}}, {{patchName}}, {{patchVersion}} and a template's {{args.NAME}}. Every vector selector of a "
         "PatchRollout's or a PatchAnalysisTemplate's query must carry namespace=\"{{namespace}}\".", default=None)
     web: Web | None = described(Web.__doc__ + " A custom check, like query.", default=None)
+    job: JobCheck | None = described(
+        JobCheck.__doc__ + " Its Job is made when the step's analysis first runs and judged once it ends; until "
+        "then the check waits (Inconclusive). Only where the operator allows job checks (GRAFT_JOB_CHECKS, the "
+        "chart's jobChecks), else the rollout fails with JobNotAllowed.", default=None)
     max: float | None = described(
         "Upper limit: a fraction for rates and output-divergence, percentage points as a fraction for "
         "error-rate-delta, seconds for latency, a fraction of the quota for cpu.", default=None)
@@ -255,15 +291,17 @@ class Check(ApiModel):
     dry_run: bool | None = described("Judged and reported but never decides.", default=None)
 
     def rules(self) -> None:
-        if self.metric is None and self.query is None and self.web is None and self.name not in BUILTIN_METRIC_NAMES:
+        custom = self.query is not None or self.web is not None or self.job is not None
+        if self.metric is None and not custom and self.name not in BUILTIN_METRIC_NAMES:
             raise refuse(f"{self.cel_rules[0].message}: {self.name!r} is not a built-in metric "
                          f"({', '.join(BUILTIN_METRIC_NAMES)})", at="query")
         if self.metric is not None and self.query is not None:
             raise refuse(f"a built-in metric ({self.metric}) takes no query; give the check another name", at="query")
-        if self.web is not None and (self.metric is not None or self.query is not None):
-            raise refuse(self.cel_rules[1].message, at="web")
+        sources = [name for name in ("metric", "query", "web", "job") if getattr(self, name) is not None]
+        if len(sources) > 1:
+            raise refuse(self.cel_rules[1].message, at=sources[-1])
         if self.max is None and self.min is None and self.max_ratio is None:
-            metric = self.metric or (self.name if self.query is None and self.web is None else None)
+            metric = self.metric or (self.name if not custom else None)
             raise refuse("needs a threshold: max, min" + (" or maxRatio" if metric in QUANTILE_METRICS else ""))
         if self.max is not None and self.min is not None and self.min > self.max:
             raise refuse(f"must not exceed max ({self.max:g})", at="min")

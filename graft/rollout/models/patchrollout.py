@@ -441,6 +441,9 @@ class CheckStatus(CheckRecord):
 
     short: Annotated[bool | None, OrNone] = described(
         "Inconclusive for lack of traffic (not for lack of data).", default=None)
+    pending: Annotated[bool | None, OrNone] = described(
+        "Inconclusive while its number is being made (a job check's Job runs): the step waits, whatever the role.",
+        default=None)
     message: str | None = described("The verdict in words.", default=None)
 
 
