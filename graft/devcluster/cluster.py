@@ -176,7 +176,9 @@ class DevCluster:
                "GRAFT_ADMIN_TOKEN_SECRET": f"{self.namespace}/{TOKEN_SECRET}",
                "GRAFT_TICK_SECONDS": str(self.opts.operator_tick), "GRAFT_NAMESPACES": self.namespace,
                # every pod of the dev cluster listens on this machine's loopback: no network to cross
-               "GRAFT_ADMIN_PLAIN_HTTP": "true"}
+               "GRAFT_ADMIN_PLAIN_HTTP": "true",
+               # job checks (an LLM quality gate) run as the namespace's default service account
+               "GRAFT_JOB_CHECKS": "true"}
         if self.prometheus is not None:     # rollouts that name no Prometheus use the dev cluster's
             env["GRAFT_PROMETHEUS_ADDRESS"] = self.prometheus.url
         out = open(self.workdir / "operator.log", "ab")
