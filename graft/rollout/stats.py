@@ -9,12 +9,16 @@ percent. The checks therefore judge bounds, one-sided, at a stated confidence:
   (built from Wilson score bounds; well behaved at the very low rates an inference fleet has),
   with Fisher's exact test reported beside it as the p-value that the canary is worse at all.
 
-Everything here is pure and deterministic; scipy supplies the distributions.
+Everything here is pure and deterministic; scipy supplies the distributions. Its quantiles and
+Fisher's sums cost tens of microseconds each and a rollout (or a simulation of thousands) asks the
+same counts again run after run, so they are remembered per (counts, confidence) (`_CACHE` entries
+each).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from scipy import stats as _st
 
@@ -27,13 +31,16 @@ def _alpha(confidence: float) -> float:
     return 1.0 - confidence
 
 
+_CACHE = 1 << 16
+
+
 def rate_lower(k: float, n: float, confidence: float) -> float:
     """One-sided lower bound of a binomial proportion (Clopper-Pearson): the rate is at least this."""
     alpha = _alpha(confidence)
     k, n = _counts(k, n)
     if k == 0 or n == 0:
         return 0.0
-    return float(_st.beta.ppf(alpha, k, n - k + 1))
+    return _beta_quantile(alpha, k, n - k + 1)
 
 
 def rate_upper(k: float, n: float, confidence: float) -> float:
@@ -42,7 +49,17 @@ def rate_upper(k: float, n: float, confidence: float) -> float:
     k, n = _counts(k, n)
     if n == 0 or k >= n:
         return 1.0
-    return float(_st.beta.ppf(1.0 - alpha, k + 1, n - k))
+    return _beta_quantile(1.0 - alpha, k + 1, n - k)
+
+
+@lru_cache(maxsize=_CACHE)
+def _beta_quantile(q: float, a: int, b: int) -> float:
+    return float(_st.beta.ppf(q, a, b))
+
+
+@lru_cache(maxsize=64)
+def _z(confidence: float) -> float:
+    return float(_st.norm.ppf(1 - _alpha(confidence)))
 
 
 def min_samples(limit: float, confidence: float) -> int:
@@ -98,7 +115,7 @@ def difference(canary_errors: float, canary_requests: float, stable_errors: floa
     """Bounds on (canary rate - stable rate), one-sided at `confidence` each way (Newcombe, method 10)."""
     k1, n1 = _counts(canary_errors, canary_requests)
     k2, n2 = _counts(stable_errors, stable_requests)
-    z = float(_st.norm.ppf(1 - _alpha(confidence)))
+    z = _z(confidence)
     p1 = k1 / n1 if n1 else 0.0
     p2 = k2 / n2 if n2 else 0.0
     l1, u1 = _wilson(k1, n1, z)
@@ -112,6 +129,7 @@ def difference(canary_errors: float, canary_requests: float, stable_errors: floa
 FISHER_UP_TO = 200_000   # requests on both sides together: beyond, Fisher's sum costs seconds and more
 
 
+@lru_cache(maxsize=_CACHE)
 def _p_worse(k1: int, n1: int, k2: int, n2: int) -> float:
     """One-sided p-value for "the canary errs more often": Fisher's exact test while its sum over the
     hypergeometric tail stays cheap, the pooled two-proportion z-test (which it converges to) beyond."""
