@@ -105,25 +105,22 @@ class OAuth2Auth(httpx.Auth):
         self.token, self.expires = body["access_token"], time.monotonic() + max(ttl - TOKEN_MARGIN, ttl / 2)
 
     async def async_auth_flow(self, request: httpx.Request):
-        async with self._lock:
-            if self.token is None or time.monotonic() >= self.expires:
-                self.requests += 1
-                reply = yield self._token_request()
-                await reply.aread()
-                self._take(reply)
-            used = self.token
-        request.headers["Authorization"] = f"Bearer {used}"
-        response = yield request
-        if response.status_code == 401:
+        refused: str | None = None          # on the one retry: the token a 401 refused
+        while True:
             async with self._lock:
-                if self.token == used:      # not yet replaced by another query's retry
+                # a token is asked for when there is none, when it expires, or after a 401 unless
+                # another query's retry has already replaced the refused one
+                if self.token is None or (self.token == refused if refused else time.monotonic() >= self.expires):
                     self.requests += 1
                     reply = yield self._token_request()
                     await reply.aread()
                     self._take(reply)
-                fresh = self.token
-            request.headers["Authorization"] = f"Bearer {fresh}"
-            yield request
+                used = self.token
+            request.headers["Authorization"] = f"Bearer {used}"
+            response = yield request
+            if response.status_code != 401 or refused is not None:
+                return
+            refused = used
 
     def sync_auth_flow(self, request: httpx.Request):
         raise RuntimeError("OAuth2Auth serves the operator's async client only")
