@@ -21,6 +21,9 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 PATHS_CHOICES = ("fast", "plain")
 DEFAULT_PATHS = "fast"      # the one default: EngineConfig, `--paths` and attention.default_slots
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# how a step's prefill budget is shared (graft/engine/scheduler.py): "fair", shortest aged prefill
+# first with equal shares per tenant; "fcfs", the order before it, kept for A/B comparisons
+SCHEDULING_CHOICES = ("fair", "fcfs")
 
 
 @dataclass(slots=True)
@@ -39,6 +42,7 @@ class EngineConfig:
     # short requests of a mixed workload wait behind (docs/benchmarks.md, "The token budget")
     max_num_batched_tokens: int = 1024
     max_waiting: int = 256              # admission queue bound; beyond it requests get 429
+    scheduling: str = "fair"            # fair | fcfs: how the prefill budget is shared (graft.engine.scheduler)
     enable_prefix_caching: bool = True
     threads: int = 0                    # torch intra-op threads of the model; 0: torch's default (one per core)
     seed: int = 0
@@ -72,6 +76,8 @@ class EngineConfig:
             raise ValueError(f"shadow_max_tokens must be 0 (off) or more, got {self.shadow_max_tokens}")
         if not 1 <= self.stall_timeout <= 3600:
             raise ValueError(f"stall_timeout must be within [1, 3600] seconds, got {self.stall_timeout}")
+        if self.scheduling not in SCHEDULING_CHOICES:
+            raise ValueError(f"scheduling must be one of {', '.join(SCHEDULING_CHOICES)}, got {self.scheduling}")
         if self.paths not in PATHS_CHOICES:
             raise ValueError(f"paths must be one of {', '.join(PATHS_CHOICES)}, got {self.paths}")
         if self.dtype == "auto":
@@ -181,6 +187,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step: decode tokens plus prefill chunks (a prompt longer than "
                         "what is left is prefilled over several steps)")
     g.add_argument("--max-waiting", type=int, default=_default("max_waiting"), help="admission queue bound (then 429)")
+    g.add_argument("--scheduling", default=_default("scheduling"), choices=SCHEDULING_CHOICES,
+                   help="how a step's prefill budget is shared: fair (default): shortest remaining prefill first, "
+                        "aged by arrival, with an equal share per tenant, so short requests do not wait behind long "
+                        "prompts; fcfs: admission order, running prefills capped at half the budget while "
+                        "requests wait (the order before fair)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=_default("threads"),
                    help="torch threads for the model (default 0: one per core); the HTTP server, tokenizer "
@@ -205,6 +216,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                         block_size=args.block_size, kv_cache_memory=parse_size(args.kv_cache_memory),
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
+                        scheduling=args.scheduling,
                         enable_prefix_caching=not args.no_prefix_caching, threads=args.threads,
                         shadow_rate=_fraction(args.shadow_rate), shadow_budget=args.shadow_budget,
                         shadow_floor=args.shadow_floor, shadow_max_tokens=args.shadow_max_tokens,

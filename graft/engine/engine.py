@@ -41,7 +41,7 @@ from graft.engine.patches.slots import SlotTable
 from graft.engine.runner import (DTYPES, ModelRunner, ProbePlan, ProbeRun, build_probe_plan, builtin_probe_blocks,
                                  resolve_device)
 from graft.engine.sampler import sample_per_row
-from graft.engine.scheduler import QueueFull, Scheduler, default_policy
+from graft.engine.scheduler import POLICIES, QueueFull, Scheduler
 from graft.engine.sequence import FinishReason, InvalidParam, SamplingParams, Sequence, SequenceStatus, TokenLogprobs
 from graft.engine.shadow import ShadowComparator, ShadowSettings
 
@@ -311,7 +311,7 @@ class LLMEngine:
         self.block_manager = BlockManager(total - shadow_n, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         # which implementation serves each slot on this device and paths: graft.kernels.dispatch decides
-        self.base_slots: SlotTable = default_slots(default_policy, sample_per_row, config.paths,
+        self.base_slots: SlotTable = default_slots(POLICIES[config.scheduling], sample_per_row, config.paths,
                                                    self.device).with_slots({"request.outcome": no_outcome})
         self._state = EngineState(self.base_slots)
         self.metrics = EngineMetrics()
