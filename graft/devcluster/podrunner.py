@@ -18,7 +18,9 @@ It plays three controllers for one namespace, through the Kubernetes API like an
   whoever sets them (an operator's readiness gate): its status writes merge by condition type and
   never drop them;
 - the EndpointSlice and Endpoints controllers: every Service with a selector gets an EndpointSlice
-  and an Endpoints object listing its pods, an endpoint `ready` only when its pod is Ready.
+  and an Endpoints object listing its pods, an endpoint `ready` only when its pod is Ready;
+- kube-proxy: each Service's clusterIP:port forwards to its Ready pods, and every container starts
+  with the Services' `{NAME}_SERVICE_HOST/PORT` variables (graft.devcluster.services).
 
 A container's command is run with this machine's Python environment standing in for the image:
 `graft ...` runs `python -m graft.cli ...` (a `graft serve` is told to listen on the pod's IP);
@@ -51,6 +53,7 @@ from typing import Any
 import httpx
 
 from graft.devcluster.jobs import reconcile_jobs
+from graft.devcluster.services import ServiceProxy, service_env
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,7 @@ class PodRunner:
         self._stopping = False
         self._wake = asyncio.Event()
         self._counter = itertools.count(1)
+        self.proxy = ServiceProxy()
 
     async def __aenter__(self) -> "PodRunner":
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -125,6 +129,7 @@ class PodRunner:
         await asyncio.gather(*(asyncio.to_thread(self._terminate, c) for c in self.containers.values()))
         for ip in list(self._leases):
             self._release_ip(ip)
+        await self.proxy.aclose()
         await self.api.aclose()
 
     # paths
@@ -287,7 +292,8 @@ class PodRunner:
 
     # containers
     async def _resolve_env(self, pod: dict, container: dict, ip: str) -> dict[str, str]:
-        env: dict[str, str] = {}
+        """The container's environment as kubelet makes it: the Services' variables, then its `env`."""
+        env = service_env(await self._list("services"))
         for item in container.get("env", []):
             if "value" in item:
                 env[item["name"]] = expand(str(item["value"]), env)
@@ -461,8 +467,11 @@ class PodRunner:
 
     # endpoints
     async def _reconcile_endpoints(self, pods: list[dict]) -> None:
-        """Keep an EndpointSlice and an Endpoints object per Service with a selector, as their controllers do."""
-        services = [s for s in await self._list("services") if (s.get("spec") or {}).get("selector")]
+        """Keep an EndpointSlice and an Endpoints object per Service with a selector, as their
+        controllers do, and each Service's address forwarding to its Ready pods (kube-proxy)."""
+        every = await self._list("services")
+        await self.proxy.sync(every, pods)
+        services = [s for s in every if (s.get("spec") or {}).get("selector")]
         slices = {s["metadata"]["name"]: s for s in await self._list(
             "endpointslices", group="discovery.k8s.io/v1", labelSelector=_selector(SLICE_MANAGER))}
         endpoints = {e["metadata"]["name"]: e for e in await self._list("endpoints")}

@@ -18,10 +18,12 @@ from typing import Any
 import kmock
 
 from graft.devcluster import crd as crds
+from graft.devcluster import services
 from graft.devcluster.apimachinery import Change, Target, api_error, conflict, details, invalid, name_error, \
     not_found, now, sort_key
 
 NAMESPACES = kmock.resource("", "v1", "namespaces")
+SERVICES = kmock.resource("", "v1", "services")
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
 _SERVER_MANAGED = ("uid", "creationTimestamp", "resourceVersion", "generation", "deletionTimestamp",
@@ -117,7 +119,7 @@ class ObjectStore:
         if "status" in info.subresources:
             obj.pop("status", None)
         self._admit(target, obj, None, params)
-        self._fill_server_side(target, obj)
+        self._fill_server_side(target, obj, None)
         return obj if params.get("dryRun") == "All" else self._commit(target.resource, obj, None)
 
     def update(self, target: Target, old: dict[str, Any], body: Any, params: dict[str, str]) -> dict[str, Any]:
@@ -152,7 +154,7 @@ class ObjectStore:
                 raise self._invalid(target, [crds.FieldError("metadata.finalizers", "FieldValueForbidden",
                                     "Forbidden: no new finalizers can be added if the object is being deleted")])
         self._admit(target, new, old, params)
-        self._fill_server_side(target, new)
+        self._fill_server_side(target, new, old)
         if _desired_state(new, info) != _desired_state(old, info):
             meta["generation"] = int(old["metadata"].get("generation") or 0) + 1
         if new == old or params.get("dryRun") == "All":
@@ -231,9 +233,15 @@ class ObjectStore:
         if errors:
             raise self._invalid(target, errors)
 
-    def _fill_server_side(self, target: Target, obj: dict[str, Any]) -> None:
-        """What the API server itself writes into a namespace or a CRD."""
-        if target.resource == NAMESPACES:
+    def _fill_server_side(self, target: Target, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
+        """What the API server itself writes into a namespace, a Service (its address) or a CRD."""
+        if target.resource == SERVICES and target.subresource is None:
+            taken = {(svc.get("spec") or {}).get("clusterIP") for svc in self.items(SERVICES, None)}
+            try:
+                services.fill_service(obj, old, {ip for ip in taken if ip})
+            except services.ImmutableClusterIP as e:
+                raise self._invalid(target, [crds.FieldError("spec.clusterIP", "FieldValueInvalid", str(e))]) from None
+        elif target.resource == NAMESPACES:
             name = obj["metadata"]["name"]
             obj["metadata"].setdefault("labels", {})["kubernetes.io/metadata.name"] = name
             obj.setdefault("spec", {}).setdefault("finalizers", ["kubernetes"])
