@@ -11,6 +11,14 @@ flight then finish), so no class runs its last requests alone while the others a
 class completes more than its count. `--rounds` repeats alone, alone, alone, mixed round after
 round; each ratio is the median of the per-round ratios with its min and max (graft/bench/method.py).
 
+Targets (`isolation_targets`). A class's fair share of a round is the mixed pass's total output
+tok/s split in proportion to the classes' tok/s alone (`isolation_table` says why). The goals:
+the mixed total at least TARGET_TOTAL x the best class alone (mixing costs the engine little),
+each class at least TARGET_FAIR_SHARE x its fair share (no class pays for the others), and each
+short class's TTFT p99 mixed at most TARGET_SHORT_TTFT x alone (short requests do not wait
+behind long prefills). `--scheduling fcfs` runs the engine with the order before `fair` for a
+before/after comparison on one build.
+
 Sweep. The classes interleaved (bbh, gsm8k, humaneval, bbh, ...), closed loop at each concurrency
 of `--sweep`, `--sweep-waves` times as many requests as the concurrency. The knee is where more
 concurrency stops buying throughput (`find_knee`).
@@ -52,6 +60,12 @@ KNEE_GAIN = 0.10            # less than 10% more throughput per doubling of conc
 SCRAPE_EVERY_S = 0.25
 POOL_SIZE = 2048            # prompts loaded per class; a run that needs more sends them again
 FIGURES = ("output_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
+# the isolation goals (`isolation_targets`): what mixing may cost the engine, each class against
+# its fair share, and the short classes' tail time to first token
+TARGET_TOTAL = 0.95         # mixed total output tok/s >= this x the best class alone
+TARGET_FAIR_SHARE = 0.90    # each class's mixed tok/s >= this x its fair share
+TARGET_SHORT_TTFT = 2.0     # a short class's TTFT p99 mixed <= this x alone
+SHORT_CLASSES = ("gsm8k", "humaneval")   # prompts of about a tenth of BBH's
 GAUGES = {                  # /metrics sample -> the name it is recorded under (graft/engine/metrics.py)
     "graft_kv_cache_usage_ratio": "kv_usage",
     "graft_kv_cache_fragmentation_ratio": "kv_fragmentation",
@@ -301,23 +315,66 @@ def slowdown(alone: Sequence[float | None], mixed: Sequence[float | None]) -> di
 
 
 def isolation_table(passes: Sequence[Mapping[str, Any]], classes: Sequence[str] = WORKLOAD_CLASSES
-                    ) -> dict[str, dict[str, Any]]:
-    """Per class: the median of each figure alone and mixed, and mixed / alone paired by round.
+                    ) -> dict[str, Any]:
+    """Per class: the median of each figure alone and mixed, mixed / alone paired by round, and the
+    class's fair share of the mixed throughput; then the mixed total and the targets.
+
+    A class's fair share of a round is the mixed pass's total output tok/s split in proportion to
+    the classes' throughput alone: `total mixed x alone / sum of alone`. The classes run mixed at
+    their alone concurrencies, and a class's tok/s alone already prices its own cost per token (a
+    BBH token carries a long prefill, a GSM8K one little), which a split by requests in flight would
+    not: this is the share each class would get if all kept the same fraction of their throughput
+    alone. A class below its share pays for the others;
+    the mixed total against the best class alone says what mixing costs the engine as a whole.
 
     `passes` are plain dicts as `isolation_passes` returns them after `report.plain` (a missing
     figure is None)."""
-    table = {}
+    rounds = sorted({p["round"] for p in passes if p["phase"] == MIXED})
+
+    def figure(phase: str, name: str, r: int) -> float | None:
+        found = [p["classes"][name]["output_tok_s"] for p in passes if p["phase"] == phase and p["round"] == r]
+        return found[0] if found and found[0] is not None and found[0] > 0 else None
+
+    alone = {n: [figure(n, n, r) for r in rounds] for n in classes}
+    mixed = {n: [figure(MIXED, n, r) for r in rounds] for n in classes}
+    complete = [i for i in range(len(rounds)) if all(alone[n][i] and mixed[n][i] for n in classes)]
+    total = [sum(mixed[n][i] for n in classes) for i in complete]
+    best_alone = [max(alone[n][i] for n in classes) for i in complete]
+    fair = {n: [total[k] * alone[n][i] / sum(alone[m][i] for m in classes) for k, i in enumerate(complete)]
+            for n in classes}
+    table: dict[str, Any] = {}
     for name in classes:
-        alone = [p["classes"][name] for p in passes if p["phase"] == name]
-        mixed = [p["classes"][name] for p in passes if p["phase"] == MIXED]
+        alone_s = [p["classes"][name] for p in passes if p["phase"] == name]
+        mixed_s = [p["classes"][name] for p in passes if p["phase"] == MIXED]
         table[name] = {
-            "alone": {f: _median([s[f] for s in alone]) for f in FIGURES},
-            "mixed": {f: _median([s[f] for s in mixed]) for f in FIGURES},
-            "mixed_over_alone": {f: slowdown([s[f] for s in alone], [s[f] for s in mixed]) for f in FIGURES},
-            "requests_alone": sum(s["requests"] for s in alone), "requests_mixed": sum(s["requests"] for s in mixed),
-            "errors": sum(s["errors"] for s in (*alone, *mixed)),
+            "alone": {f: _median([s[f] for s in alone_s]) for f in FIGURES},
+            "mixed": {f: _median([s[f] for s in mixed_s]) for f in FIGURES},
+            "mixed_over_alone": {f: slowdown([s[f] for s in alone_s], [s[f] for s in mixed_s]) for f in FIGURES},
+            "fair_share_tok_s": _median(fair[name]),
+            "mixed_over_fair_share": slowdown(fair[name], [mixed[name][i] for i in complete]),
+            "requests_alone": sum(s["requests"] for s in alone_s),
+            "requests_mixed": sum(s["requests"] for s in mixed_s),
+            "errors": sum(s["errors"] for s in (*alone_s, *mixed_s)),
         }
-    return table
+    mixed_total = {"output_tok_s": _median(total), "best_alone_tok_s": _median(best_alone),
+                   "over_best_alone": slowdown(best_alone, total)}
+    return {"classes": table, "mixed_total": mixed_total, "targets": isolation_targets(table, mixed_total)}
+
+
+def isolation_targets(table: Mapping[str, Mapping[str, Any]], mixed_total: Mapping[str, Any]
+                      ) -> list[dict[str, Any]]:
+    """The isolation goals, each a median ratio against its limit: `pass` is None when a figure is missing."""
+    def goal(what: str, spread: Mapping[str, Any] | None, limit: float, at_least: bool) -> dict[str, Any]:
+        value = None if spread is None else spread["median"]
+        ok = None if value is None else (value >= limit if at_least else value <= limit)
+        return {"target": what, "value": value, "limit": limit, "at_least": at_least, "pass": ok}
+
+    goals = [goal("mixed total tok/s / best class alone", mixed_total["over_best_alone"], TARGET_TOTAL, True)]
+    goals += [goal(f"{name} mixed tok/s / its fair share", entry["mixed_over_fair_share"], TARGET_FAIR_SHARE, True)
+              for name, entry in table.items()]
+    goals += [goal(f"{name} TTFT p99 mixed / alone", table[name]["mixed_over_alone"]["ttft_p99"],
+                   TARGET_SHORT_TTFT, False) for name in SHORT_CLASSES if name in table]
+    return goals
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -339,7 +396,7 @@ def run_workload_suite(cfg: WorkloadConfig, out: Path) -> dict[str, Any]:
                    "engine_args": cfg.engine_args}}
     with engine(cfg.engine_args) as eng:
         passes, points = report.plain(asyncio.run(measure(eng.url, cfg, requests, eng.metrics_url)))
-    result["isolation"] = {"passes": passes, "classes": isolation_table(passes)}
+    result["isolation"] = {"passes": passes, **isolation_table(passes)}
     knee = find_knee([(p["concurrency"], p["summary"]["output_tok_s"]) for p in points])
     result["sweep"] = {"points": points, "knee": knee}
     result["errors"] = (sum(c["errors"] for p in passes for c in p["classes"].values())
@@ -359,6 +416,10 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:,.0f}"
 
 
+def _tok(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def _ratio(spread: Mapping[str, Any] | None) -> str:
     if spread is None:
         return "-"
@@ -372,19 +433,31 @@ def show_workload(result: Mapping[str, Any]) -> None:
     cfg = result["config"]
     t = Table(title=f"isolation: each class alone vs all mixed ({cfg['max_tokens']} new tokens, {cfg['dtype']}, "
                     f"medians of {cfg['rounds']} round(s))", title_justify="left")
-    for col in ("class", "pass", "in flight", "requests", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                "TPOT p99 ms"):
+    for col in ("class", "pass", "in flight", "requests", "tok/s", "fair share", "TTFT p50 ms", "TTFT p99 ms",
+                "TPOT p50 ms", "TPOT p99 ms"):
         t.add_column(col, justify="left" if col in ("class", "pass") else "right")
     for name, entry in result["isolation"]["classes"].items():
         c = str(cfg["classes"][name]["concurrency"])
         for side in ("alone", "mixed"):
             s = entry[side]
-            tok = "-" if s["output_tok_s"] is None else f"{s['output_tok_s']:.1f}"
-            t.add_row(name, side, c, str(entry[f"requests_{side}"]), tok,
+            fair = _tok(entry["fair_share_tok_s"]) if side == "mixed" else ""
+            t.add_row(name, side, c, str(entry[f"requests_{side}"]), _tok(s["output_tok_s"]), fair,
                       *(_ms(s[f]) for f in FIGURES[1:]))
-        t.add_row(name, "[bold]mixed / alone[/]", "", "", *(_ratio(entry["mixed_over_alone"][f]) for f in FIGURES),
-                  end_section=True)
+        ratios = [_ratio(entry["mixed_over_alone"][f]) for f in FIGURES]
+        t.add_row(name, "[bold]mixed / alone[/]", "", "", ratios[0], "", *ratios[1:])
+        t.add_row(name, "[bold]mixed / fair share[/]", "", "", _ratio(entry["mixed_over_fair_share"]), "", "", "", "",
+                  "", end_section=True)
     report.show(t)
+    total = result["isolation"]["mixed_total"]
+    g = Table(title=f"isolation targets (mixed total {_tok(total['output_tok_s'])} tok/s, the best class alone "
+                    f"{_tok(total['best_alone_tok_s'])})", title_justify="left")
+    for col in ("target", "median", "limit", "result"):
+        g.add_column(col, justify="left" if col == "target" else "right")
+    for goal in result["isolation"]["targets"]:
+        verdict = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "-"}[goal["pass"]]
+        value = "-" if goal["value"] is None else f"{goal['value']:.2f}x"
+        g.add_row(goal["target"], value, f"{'>=' if goal['at_least'] else '<='} {goal['limit']:.2f}x", verdict)
+    report.show(g)
     s = Table(title="concurrency sweep: bbh, gsm8k and humaneval interleaved", title_justify="left")
     for col in ("in flight", "requests", "errors", "tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "KV used max/mean",
                 "KV frag max/mean", "running max", "preempted", "load"):
@@ -410,7 +483,8 @@ def _share(x: float | None) -> str:
 
 
 def plot_isolation(path: Path, result: Mapping[str, Any]) -> Path:
-    """One panel per figure: each class's bar alone and mixed, the mixed bar labelled with mixed / alone."""
+    """One panel per figure: each class's bar alone and mixed, the mixed bar labelled with mixed / alone;
+    on the throughput panel a line across each mixed bar marks the class's fair share."""
     plt = report._pyplot()
     classes = result["isolation"]["classes"]
     names = list(classes)
@@ -425,9 +499,13 @@ def plot_isolation(path: Path, result: Mapping[str, Any]) -> Path:
             values = [(classes[n][side][f] or 0.0) * scale for n in names]
             rects = ax.bar(xs, values, width, color=color, label=side)
             if side == "mixed":
-                for rect, n in zip(rects, names):
+                fair = [(classes[n]["fair_share_tok_s"] or 0.0) if f == "output_tok_s" else 0.0 for n in names]
+                if any(fair):
+                    ax.hlines(fair, [x - width / 2 for x in xs], [x + width / 2 for x in xs], colors="#b03030",
+                              linewidth=1.5, label="fair share")
+                for rect, n, top in zip(rects, names, fair):
                     ax.annotate(_ratio(classes[n]["mixed_over_alone"][f]),
-                                (rect.get_x() + rect.get_width() / 2, rect.get_height()), ha="center",
+                                (rect.get_x() + rect.get_width() / 2, max(rect.get_height(), top)), ha="center",
                                 va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
         ax.set_xticks(range(len(names)), names, fontsize=8)
         ax.set_title(titles[f], fontsize=9)

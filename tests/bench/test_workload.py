@@ -101,6 +101,11 @@ def test_each_engine_gets_room_for_all_its_requests_in_flight():
     assert engine_flags(bench_args("-c", "40")) == ["--max-num-seqs", "40", "--max-num-batched-tokens", budget]
 
 
+def test_the_scheduling_order_is_an_engine_flag_for_before_and_after_runs():
+    assert engine_flags(bench_args("workload"), 16) == []                     # fair, the default: no flag
+    assert engine_flags(bench_args("workload", "--scheduling", "fcfs"), 16) == ["--scheduling", "fcfs"]
+
+
 # ---- the knee ----
 
 def test_the_knee_is_where_doubling_stops_paying():
@@ -140,7 +145,7 @@ def test_the_isolation_table_divides_mixed_by_alone_round_by_round():
                    {"phase": "gsm8k", "round": r, "classes": {"gsm8k": summary(80.0, 0.1, 0.04)}},
                    {"phase": MIXED, "round": r, "classes": {"bbh": summary(mixed_tok, mixed_ttft, 0.1, errors=1),
                                                              "gsm8k": summary(40.0, 0.1, None, requests=9)}}]
-    table = isolation_table(passes, ("bbh", "gsm8k"))
+    table = isolation_table(passes, ("bbh", "gsm8k"))["classes"]
     bbh = table["bbh"]
     assert bbh["alone"]["output_tok_s"] == 40.0 and bbh["mixed"]["output_tok_s"] == 20.0      # medians
     tok = bbh["mixed_over_alone"]["output_tok_s"]                # 0.5, 0.4, 0.75 paired by round
@@ -154,6 +159,59 @@ def test_the_isolation_table_divides_mixed_by_alone_round_by_round():
     # a figure missing in any round (no TPOT: one-token answers) has no ratio, not a wrong one
     assert gsm["mixed_over_alone"]["tpot_p50"] is None and gsm["mixed"]["tpot_p50"] is None
     assert slowdown([1.0], []) is None and slowdown([0.0], [1.0]) is None and slowdown([], []) is None
+
+
+def isolation_round(r: int, alone: dict[str, float], mixed: dict[str, float], ttft: dict[str, tuple[float, float]]
+                    ) -> list[dict]:
+    """One round's passes: each class alone, then all mixed (TTFT p50 alone, mixed; p99 is twice p50)."""
+    return [*({"phase": n, "round": r, "classes": {n: summary(alone[n], ttft[n][0], 0.02)}} for n in alone),
+            {"phase": MIXED, "round": r, "classes": {n: summary(mixed[n], ttft[n][1], 0.03) for n in mixed}}]
+
+
+def test_a_class_fair_share_is_the_mixed_total_split_as_the_classes_run_alone():
+    # the last page's figures: alone 188.3 / 438.1 / 239.3, mixed 126.5 / 246.2 / 120.0 tok/s
+    alone = {"bbh": 188.3, "gsm8k": 438.1, "humaneval": 239.3}
+    mixed = {"bbh": 126.5, "gsm8k": 246.2, "humaneval": 120.0}
+    ttft = {"bbh": (0.295, 0.368), "gsm8k": (0.166, 0.541), "humaneval": (0.157, 0.557)}
+    result = isolation_table(isolation_round(0, alone, mixed, ttft))
+    total = sum(mixed.values())
+    assert result["mixed_total"]["output_tok_s"] == pytest.approx(total)
+    assert result["mixed_total"]["best_alone_tok_s"] == 438.1
+    assert result["mixed_total"]["over_best_alone"]["median"] == pytest.approx(total / 438.1)
+    for name, entry in result["classes"].items():
+        fair = total * alone[name] / sum(alone.values())
+        assert entry["fair_share_tok_s"] == pytest.approx(fair)
+        assert entry["mixed_over_fair_share"]["median"] == pytest.approx(mixed[name] / fair)
+    # every class at its fair share is every class keeping the same share of its throughput alone
+    even = isolation_table(isolation_round(0, alone, {n: 0.6 * v for n, v in alone.items()}, ttft))
+    assert all(e["mixed_over_fair_share"]["median"] == pytest.approx(1.0) for e in even["classes"].values())
+    goals = {g["target"]: g for g in result["targets"]}
+    assert list(goals) == ["mixed total tok/s / best class alone", "bbh mixed tok/s / its fair share",
+                           "gsm8k mixed tok/s / its fair share", "humaneval mixed tok/s / its fair share",
+                           "gsm8k TTFT p99 mixed / alone", "humaneval TTFT p99 mixed / alone"]
+    verdicts = {t: (g["pass"], g["limit"], g["at_least"]) for t, g in goals.items()}
+    assert verdicts == {"mixed total tok/s / best class alone": (True, 0.95, True),      # 1.12x
+                        "bbh mixed tok/s / its fair share": (True, 0.90, True),          # 1.18x
+                        "gsm8k mixed tok/s / its fair share": (True, 0.90, True),        # 0.99x
+                        "humaneval mixed tok/s / its fair share": (False, 0.90, True),   # 0.88x
+                        "gsm8k TTFT p99 mixed / alone": (False, 2.0, False),             # 3.3x
+                        "humaneval TTFT p99 mixed / alone": (False, 2.0, False)}         # 3.5x
+    assert goals["gsm8k TTFT p99 mixed / alone"]["value"] == pytest.approx(0.541 / 0.166)
+
+
+def test_fair_shares_pair_rounds_and_a_round_without_a_figure_judges_nothing():
+    alone = {"bbh": 100.0, "gsm8k": 300.0}
+    ttft = {"bbh": (0.2, 0.3), "gsm8k": (0.1, 0.15)}
+    passes = (isolation_round(0, alone, {"bbh": 100.0, "gsm8k": 200.0}, ttft)      # total 300: fair 75 / 225
+              + isolation_round(1, {"bbh": 100.0, "gsm8k": 100.0}, {"bbh": 50.0, "gsm8k": 150.0}, ttft))  # 100 / 100
+    result = isolation_table(passes, ("bbh", "gsm8k"))
+    bbh = result["classes"]["bbh"]
+    assert bbh["mixed_over_fair_share"]["per_round"] == pytest.approx([100 / 75, 0.5])
+    assert bbh["fair_share_tok_s"] == pytest.approx((75 + 100) / 2)
+    assert result["mixed_total"]["over_best_alone"]["per_round"] == pytest.approx([1.0, 2.0])
+    missing = isolation_table([p for p in passes if p["round"] == 0 and p["phase"] != "gsm8k"], ("bbh", "gsm8k"))
+    assert missing["classes"]["bbh"]["fair_share_tok_s"] is None
+    assert [g["pass"] for g in missing["targets"]][:3] == [None, None, None]
 
 
 # ---- the engine's gauges ----
@@ -224,7 +282,7 @@ def test_workload_suite_runs_end_to_end_through_graft_bench(tmp_path, capsys):
         "--sweep-waves", "1", "--kv-cache-memory", "96M"))
     err = capsys.readouterr().err
     assert code == 0, err
-    assert "mixed / alone" in err and "knee" in err
+    assert "mixed / alone" in err and "mixed / fair share" in err and "isolation targets" in err and "knee" in err
     data = json.loads((out / "workload.json").read_text())
     assert data["suite"] == "workload" and data["errors"] == 0
     assert data["config"]["engine_args"] == ["--kv-cache-memory", str(96 << 20)]   # 4 in flight: the default room
@@ -236,6 +294,9 @@ def test_workload_suite_runs_end_to_end_through_graft_bench(tmp_path, capsys):
             assert entry[side]["output_tok_s"] > 0 and entry[side]["ttft_p50"] > 0 and entry[side]["tpot_p50"] > 0
             assert entry[f"requests_{side}"] >= 2
         assert entry["mixed_over_alone"]["output_tok_s"]["median"] > 0, name
+        assert entry["fair_share_tok_s"] > 0 and entry["mixed_over_fair_share"]["median"] > 0, name
+    assert data["isolation"]["mixed_total"]["output_tok_s"] > 0
+    assert [g["pass"] is not None for g in data["isolation"]["targets"]] == [True] * 6
     # BBH's prompts are several times longer than the others', as the classes promise
     tokens = {n: passes[i]["classes"][n]["prompt_tokens"] / passes[i]["classes"][n]["requests"]
               for i, n in enumerate(("bbh", "gsm8k", "humaneval"))}
