@@ -23,7 +23,8 @@ It plays three controllers for one namespace, through the Kubernetes API like an
   with the Services' `{NAME}_SERVICE_HOST/PORT` variables (graft.devcluster.services).
 
 A container's command is run with this machine's Python environment standing in for the image:
-`graft ...` runs `python -m graft.cli ...` (a `graft serve` is told to listen on the pod's IP);
+`graft ...` runs `python -m graft.cli ...` (a `graft serve` is told to listen on the pod's IP, with the
+runner's engine flags; any other command runs as written);
 `python ...` runs this interpreter, which makes small engine-less pods possible in tests.
 """
 from __future__ import annotations
@@ -327,8 +328,10 @@ class PodRunner:
         """The local command line of a container (`$(VAR)` expanded, as kubelet does)."""
         argv = [expand(str(a), env) for a in [*container.get("command", []), *container.get("args", [])]]
         program = Path(argv[0]).name if argv else ""
-        if program == "graft":
+        if program == "graft" and argv[1:2] == ["serve"]:
             return [sys.executable, "-m", "graft.cli", *argv[1:], *_serve_flags(argv, c.ip), *self.engine_args]
+        if program == "graft":      # any other command (graft eval, ...) as written
+            return [sys.executable, "-m", "graft.cli", *argv[1:]]
         if program in ("python", "python3"):
             return [sys.executable, *argv[1:]]
         raise ContainerError("RunContainerError", f"the dev cluster runs `graft ...` and `python ...` containers "
@@ -662,11 +665,9 @@ def _serve_flags(argv: list[str], ip: str) -> list[str]:
     cluster's bundles are unsigned examples, so its engines run them on their digest alone unless
     the pod names a trusted key.
     """
-    flags = ["--host", ip]
-    if argv[1:2] == ["serve"]:
-        flags += ["--admin-host", ip]
-        if not any(a == "--trusted-key" or a.startswith("--trusted-key=") for a in argv):
-            flags.append("--allow-unsigned-bundles")
+    flags = ["--host", ip, "--admin-host", ip]
+    if not any(a == "--trusted-key" or a.startswith("--trusted-key=") for a in argv):
+        flags.append("--allow-unsigned-bundles")
     return flags
 
 

@@ -610,7 +610,9 @@ class _Machine:
         status.analysis.error_runs = status.analysis.error_runs + 1 if verdict == judge.ERROR and not outage else 0
         paused_enough = (status.step_ready_at is not None
                          and self.now >= status.step_ready_at + spec.step(status.step_index).pause)
-        holding = verdict == judge.INCONCLUSIVE and paused_enough and not status.full_promotion
+        # a number on its way (a job check's Job) is not a run that could not decide: its own deadline bounds it
+        waiting = any(r.pending for r in results)
+        holding = verdict == judge.INCONCLUSIVE and paused_enough and not status.full_promotion and not waiting
         status.analysis.inconclusive_runs = status.analysis.inconclusive_runs + 1 if holding else 0
         summary = "; ".join(r.message for r in results if not r.dry_run and r.verdict != judge.SKIPPED)
         held = "; ".join(f"{r.role} {r.message}" for r in judge.holding(results))

@@ -5,7 +5,7 @@ from scipy.stats import binom
 from graft.rollout.actions import ApplyPatch
 from graft.rollout.decision import ClearResume
 from graft.rollout.machine import analysis_due, canary_target, decide
-from graft.rollout.observation import PodError, Problem
+from graft.rollout.observation import Measurement, PodError, Problem
 from graft.rollout.status import RolloutStatus
 
 from rollout_fleet import (BASE, Fleet, breaching, healthy, make_spec, no_data, prometheus_down, provider_down,
@@ -200,6 +200,27 @@ def test_the_inconclusive_limit_counts_only_runs_after_the_steps_pause():
         assert runs_past_pause < 4
     assert status.reason == "InconclusiveLimit" and runs_past_pause == 4
     assert t == ready_at + 10 + 3, "the fourth holding run after the 10 s pause"
+
+
+def test_a_job_still_running_holds_the_step_without_counting_towards_the_inconclusive_limit():
+    job = {"spec": {"template": {"spec": {"containers": [{"name": "eval", "image": "e"}]}}}, "jsonPath": "$.d"}
+    spec = make_spec(analysis_inconclusiveLimit=2, analysis_interval="1s",
+                     analysis_gates=[{"name": "quality", "max": 0.2, "job": job}],
+                     steps=[{"weight": 50, "pause": "2s"}, {"weight": 100}])
+    fleet = Fleet.of(spec, 2)
+
+    def measure(answer):
+        return lambda s: [m if m.check != "gate/quality" else answer for m in healthy(s)]
+    pending = measure(Measurement("gate/quality", {"value": None}, pending="job q running"))
+    status = fleet.tick(RolloutStatus(), 0)
+    status, now = drive(fleet, status, 1, 30, measure=pending)
+    assert (status.phase, status.step_index, status.analysis.inconclusive_runs) == ("Progressing", 0, 0), \
+        status.message
+    assert status.analysis.result("quality").pending
+    status, _ = drive(fleet, status, now + 1, now + 10, measure=measure(Measurement("gate/quality", {"value": 0.0},
+                                                                                    final=True)),
+                      stop=lambda s: s.step_index == 1)
+    assert status.step_index == 1, "the Job's number in, the step advanced"
 
 
 def test_no_data_fail_is_a_breach_of_every_breaker_that_got_none():
