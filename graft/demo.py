@@ -424,7 +424,7 @@ def demo_rollout(path: Path, namespace: str, pause: str, interval: str, first_pa
     """An examples/ manifest as the demo runs it: in the demo's namespace, each step's pause and the
     analysis interval shortened (the first step's to no less than `first_pause` seconds); its checks
     and thresholds exactly as the file has them."""
-    ro = yaml.safe_load(path.read_text())
+    ro = next(d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "PatchRollout")
     ro["metadata"]["namespace"] = namespace
     spec = ro["spec"]
     steps = spec.get("steps") or DEFAULT_STEPS

@@ -38,7 +38,7 @@ from graft.rollout.observation import (UNREACHABLE, Controls, Measurement, Obser
                                        PodObservation, Problem)
 from graft.api import ACTIVE_PHASES, FINAL_PHASES, Reason, has_patch
 from graft.rollout.spec import REVERT, PatchSpec, RolloutSpec, SpecError, parse_fleet_spec, parse_spec, template_refs
-from graft.rollout.status import FAILED, PENDING, ROLLED_BACK, ROLLING_BACK, RolloutStatus, from_time
+from graft.rollout.status import FAILED, PENDING, ROLLED_BACK, ROLLING_BACK, STABLE, RolloutStatus, from_time
 
 PROMOTE_ANNOTATION = "graft.dev/promote"
 RESUME_ANNOTATION = "graft.dev/resume"
@@ -347,11 +347,16 @@ class Reconciliation:
             return [Measurement(check.key, error=refusal.message) for check, _ in plan]
         meta = self.body["metadata"]
         owner = {"name": meta["name"], "uid": meta.get("uid") or meta["name"]}
-        return list(await asyncio.gather(*(
-            self.runtime.jobs.measure(self.runtime.kube, check.key, series[0].job, namespace=self.namespace,
-                                      owner=owner, check=check.name, step=status.step_index,
-                                      step_started=status.step_started_at)
-            for check, series in plan)))
+        # a comparison with no stable pod left is skipped (analysis.judge): no Job is made for it
+        stable = any(p.track == STABLE for p in status.pods)
+
+        async def one(check, series) -> Measurement:
+            if check.comparison and not stable:
+                return Measurement(check.key, {"value": None})
+            return await self.runtime.jobs.measure(self.runtime.kube, check.key, series[0].job,
+                                                   namespace=self.namespace, owner=owner, check=check.name,
+                                                   step=status.step_index, step_started=status.step_started_at)
+        return list(await asyncio.gather(*(one(check, series) for check, series in plan)))
 
     async def measure_web(self, plan: list) -> list[Measurement]:
         refusal = self.runtime.web_refusal([check for check, _ in plan], self.namespace)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import json
 import re
 import secrets
 import time
@@ -64,6 +65,7 @@ from graft.rollout.queries import CANARY, COMPARED, DIVERGENT, Context, quantile
 from graft.rollout.spec import DEFAULT_BREAKERS, parse_spec
 from graft.rollout.status import from_time
 from tests.e2e.fleet import SCRAPE_INTERVAL, ClientLoad, Fleet, Recorder, Sample, canary_pods
+from tests.support import data_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -610,3 +612,94 @@ async def test_a_namespace_level_attacker_gets_no_token_no_secret_and_no_query_o
 
 async def _gone(fleet: Fleet, pod: str) -> bool:
     return await fleet.pod(pod) is None
+
+
+QUALITY_GATE = "rollout-quality-gate-test.yaml"
+
+
+async def jobs_of(fleet: Fleet, rollout_uid: str) -> list[dict[str, Any]]:
+    r = await fleet.api.get(f"/apis/batch/v1/namespaces/{fleet.namespace}/jobs",
+                            params={"labelSelector": f"graft.dev/rollout-uid={rollout_uid}"})
+    r.raise_for_status()
+    return r.json()["items"]
+
+
+async def job_answer(fleet: Fleet, job: dict[str, Any]) -> dict[str, Any]:
+    """The JSON line the job's pod printed last: what the quality gate read."""
+    r = await fleet.api.get(f"/api/v1/namespaces/{fleet.namespace}/pods",
+                            params={"labelSelector": f"job-name={job['metadata']['name']}"})
+    (pod,) = r.json()["items"]
+    log = await fleet.api.get(f"/api/v1/namespaces/{fleet.namespace}/pods/{pod['metadata']['name']}/log")
+    return json.loads([line for line in log.text.splitlines() if line.startswith("{")][-1])
+
+
+def quality_gate(fleet: Fleet, scenario: str, patch: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """examples/rollout-quality-gate-test.yaml as the demo runs it: its two Services and its rollout
+    in the fleet's namespace, the evaluation reading this machine's BBH data; `patch` replaces the
+    rollout's patch."""
+    *services, _ = yaml.safe_load_all((ROOT / "examples" / QUALITY_GATE).read_text())
+    for svc in services:
+        svc["metadata"]["namespace"] = fleet.namespace
+    ro = demo_rollout(ROOT / "examples" / QUALITY_GATE, fleet.namespace, PAUSE, f"{INTERVAL:g}s")
+    ro["metadata"]["name"] = f"e2e-{scenario}-{RUN}"
+    if patch is not None:
+        ro["spec"]["patch"] = patch
+    (container,) = ro["spec"]["analysis"]["gates"][0]["job"]["spec"]["template"]["spec"]["containers"]
+    container["env"] = [{**e, "value": str(data_dir())} if e["name"] == "GRAFT_DATA_DIR" else e
+                        for e in container["env"]]
+    return [*services, ro]
+
+
+async def test_a_quality_gate_rolls_back_a_patch_that_loses_answers_and_promotes_one_that_does_not(
+        fleet: Fleet, traffic: ClientLoad):
+    """longctx-test@1 is exact below 208 tokens of context and wrong past it: the self-check, the
+    error rate and the latency cannot tell. The quality gate's Job (`graft eval bbh` on a fixed
+    sample of 235-242-token prompts, against the canary and the stable Services) sees the canary
+    lose its answers and rolls it back at the first step; kv-align@3.2.1 loses none and is promoted,
+    one Job per step with stable pods."""
+    fleet.require_local("Services reached through their ClusterIP from a Job's pod")
+    *services, bad = quality_gate(fleet, "quality-bad")
+    for svc in services:
+        await fleet.apply(svc)
+    try:
+        started = time.time()
+        async with Recorder(fleet, bad["metadata"]["name"]) as rec:
+            created = await fleet.apply(bad)
+            final = await rec.final(FINAL_TIMEOUT)
+        st = final.status
+        assert final.phase == "RolledBack", st.get("message")
+        assert st["reason"] == "AnalysisFailed" and st["stepIndex"] == 0, st
+        assert rollback_cause({"status": st}) == ["bbh-accuracy-drop"], st.get("cause")
+        (result,) = [r for r in st["analysis"]["results"] if r["name"] == "bbh-accuracy-drop"]
+        assert result["verdict"] == "Failed" and result["value"] > 0.2, result
+        (job,) = await jobs_of(fleet, created["metadata"]["uid"])
+        answer = await job_answer(fleet, job)
+        assert answer["difference"] == result["value"] and answer["n"] == 10 and answer["errors"] == 0, answer
+        assert answer["accuracy"] < answer["baseline_accuracy"], answer
+        # the Job ran while the step waited for it: the gate was pending before it failed
+        assert any(r.get("pending") for s in rec.samples for r in (s.status.get("analysis") or {}).get("results") or []
+                   if r["name"] == "bbh-accuracy-drop"), "the gate was never seen waiting for its Job"
+        await fleet.wait_for(lambda: settled(fleet, "base", "stable"), 60, "every pod back at base")
+        assert_clients(traffic, started, final.t)
+        print(f"rolled back {final.t - started:.0f}s after the start: accuracy {answer['accuracy']} against "
+              f"{answer['baseline_accuracy']} on stable ({answer['changed']} answers changed)")
+
+        *_, good = quality_gate(fleet, "quality-good", {"name": "kv-align", "version": "3.2.1", "source": {"builtin": {}}})
+        started = time.time()
+        async with Recorder(fleet, good["metadata"]["name"]) as rec:
+            created = await fleet.apply(good)
+            final = await rec.final(FINAL_TIMEOUT)
+        assert final.phase == "Promoted", final.status.get("message")
+        jobs = await jobs_of(fleet, created["metadata"]["uid"])
+        weights = [s["weight"] for s in good["spec"]["steps"]]
+        assert sorted(int(j["metadata"]["annotations"]["graft.dev/step"]) for j in jobs) == \
+            [i for i, w in enumerate(weights) if w < 100], "one Job per step with stable pods"
+        for job in jobs:
+            answer = await job_answer(fleet, job)
+            assert answer["difference"] <= 0.2 and answer["errors"] == answer["baseline_errors"] == 0, answer
+        await assert_all_at(fleet, "kv-align@3.2.1", "stable")
+        assert_clients(traffic, started, final.t)
+        print(f"promoted {final.t - started:.0f}s after the start, {len(jobs)} Jobs")
+    finally:
+        for svc in services:
+            await fleet.api.delete(f"/api/v1/namespaces/{fleet.namespace}/services/{svc['metadata']['name']}")
