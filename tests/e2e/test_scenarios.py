@@ -34,7 +34,8 @@ control of a process (kill an engine) and is skipped, with that reason.
 The scenarios in order: kv-align@3.2.1 promoted step by step (its canaries' shadow comparisons all
 agreeing); fault@1 rolled back by its error-rate breaker; drift@1, answers wrong past a context
 length no probe reaches, rolled back by output-divergence alone; slow@1 rolled back on p99; an
-engine killed. An operator restart (the same step resumed, no pod patched twice) is shown by
+engine killed; a namespace-level attacker; an LLM quality gate (a job check running `graft eval bbh` against the
+canary and stable Services) rolling back longctx-test@1 and promoting kv-align@3.2.1. An operator restart (the same step resumed, no pod patched twice) is shown by
 tests/operator/test_rollout_operator.py::test_operator_restart_resumes_without_repatching, and a Prometheus outage (the step holds, then goes on by itself, or
 pauses past outageLimit) is shown by tests/operator/test_rollout_operator.py against a real
 Prometheus stopped and started again.
