@@ -293,6 +293,18 @@ def test_operator_gets_the_services_web_checks_may_ask(chart):
         render(chart, {"webChecks": {"allowedAddresses": ["evals:8080"]}})
 
 
+def test_job_checks_are_off_until_the_chart_turns_them_on_with_their_service_accounts(chart):
+    (operator,) = containers(one(render(chart, {}), "StatefulSet"))
+    settings = OperatorSettings.from_env({k: e["value"] for k, e in env_of(operator).items() if "value" in e})
+    assert not settings.job_checks, "by default no rollout makes a Job"
+    values = {"jobChecks": {"enabled": True, "serviceAccounts": ["default", "llm-evals"]}}
+    (operator,) = containers(one(render(chart, values), "StatefulSet"))
+    settings = OperatorSettings.from_env({k: e["value"] for k, e in env_of(operator).items() if "value" in e})
+    assert (settings.job_checks, settings.job_service_accounts) == (True, ["default", "llm-evals"])
+    with pytest.raises(Exception, match="serviceAccounts"):
+        render(chart, {"jobChecks": {"enabled": True, "serviceAccounts": ["Not A Name"]}})
+
+
 # security
 
 @setups
