@@ -12,8 +12,8 @@ policy (the `scheduler.policy` slot) returns. How it is shared is `EngineConfig.
    AGEING_SECONDS since arrival), then the earliest prefill deadline, `arrival + remaining prefill
    tokens x DEADLINE_PER_TOKEN` (`prefill_deadline`). That is shortest remaining prefill first,
    aged: a request is overtaken only by requests arriving less than its remaining tokens x
-   DEADLINE_PER_TOKEN after it (1 ms a token: a 1,000-token prompt's bound is 1 s), so a stream
-   of short prompts cannot starve a long one. Running prefills and waiting requests compete in
+   DEADLINE_PER_TOKEN after it (10 ms a token: 5 s for a 500-token prompt), and by none that
+   arrive a priority level's ageing after it, so a stream of short prompts cannot starve a long one. Running prefills and waiting requests compete in
    this one order: a short request is admitted in the step it arrives in, not after the chunks of
    a long prompt admitted before it. Waiting requests keep the policy's order among themselves; the
    base policy, `fair_policy`, is this rank with tenants taking turns as in `default_policy`.
@@ -46,7 +46,10 @@ from graft.engine.config import EngineConfig
 from graft.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 AGEING_SECONDS = 10.0       # a waiting request gains one priority level per this many seconds
-DEADLINE_PER_TOKEN = 0.001  # fair: seconds of prefill deadline per remaining prompt token
+# fair: seconds of prefill deadline per remaining prompt token. Ageing at 100 tokens a second is
+# slower than any engine here prefills, so a prompt being prefilled does not fall overdue and
+# outrank the short requests behind it; from 1,000 tokens up, priority ageing bounds the wait first
+DEADLINE_PER_TOKEN = 0.01
 TENANT_MEMORY = 4096        # tenants whose last admission the scheduler remembers
 
 Policy = Callable[[list[Sequence], float], list[Sequence]]

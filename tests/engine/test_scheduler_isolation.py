@@ -45,6 +45,7 @@ class Run:
     """A scheduler stepped with checks: the step each request got its first token and finished."""
 
     sched: Scheduler
+    dt: float = DT
     step_no: int = 0
     first_token: dict[int, int] = field(default_factory=dict)
     finished: dict[int, int] = field(default_factory=dict)
@@ -52,7 +53,7 @@ class Run:
 
     @property
     def now(self) -> float:
-        return self.step_no * DT
+        return self.step_no * self.dt
 
     def add(self, seq: Sequence) -> Sequence:
         seq.arrival = self.now
@@ -147,14 +148,15 @@ def test_a_lone_tenant_gets_the_whole_budget_and_an_idle_share_goes_to_the_other
 # ageing
 
 def long_under_a_stream_of_short_ones(steps: int) -> int | None:
-    """A 2,000-token prompt, then every step 21 prompts of 50 tokens (slightly more than a step's
-    budget): the step the long prompt got its first token, None if not within `steps`."""
-    run = Run(make(max_num_seqs=256, max_waiting=100_000))
-    long = run.add(request(2000))
+    """A 600-token prompt, then every step 52 prompts of 20 tokens (slightly more than a step's
+    budget), a step every 0.1 s: the step the long prompt got its first token, None if not within
+    `steps`."""
+    run = Run(make(max_num_seqs=256, max_waiting=100_000), dt=0.1)
+    long = run.add(request(600))
     rng = random.Random(1)
     for _ in range(steps):
-        for _ in range(21):
-            run.add(request(50, rng=rng))
+        for _ in range(52):
+            run.add(request(20, rng=rng))
         run.step()
         if long.seq_id in run.first_token:
             return run.first_token[long.seq_id]
@@ -162,13 +164,13 @@ def long_under_a_stream_of_short_ones(steps: int) -> int | None:
 
 
 def test_ageing_lets_a_long_prompt_through_a_stream_of_short_ones(monkeypatch):
-    # its deadline is 2,000 x 1 ms after its arrival: the shorts that arrive later queue behind it
-    horizon = math.ceil(2000 * DEADLINE_PER_TOKEN / DT)
-    assert horizon < long_under_a_stream_of_short_ones(150) <= horizon + 5
+    # its deadline is 600 x 10 ms after its arrival: the shorts that arrive later queue behind it
+    horizon = math.ceil(600 * DEADLINE_PER_TOKEN / 0.1)
+    assert horizon <= long_under_a_stream_of_short_ones(90) <= horizon + 5
     # shortest first without ageing starves it (until priority ageing, AGEING_SECONDS away)
     monkeypatch.setattr("graft.engine.scheduler.DEADLINE_PER_TOKEN", 1e6)
-    assert 150 * DT < AGEING_SECONDS
-    assert long_under_a_stream_of_short_ones(150) is None
+    assert 90 * 0.1 < AGEING_SECONDS
+    assert long_under_a_stream_of_short_ones(90) is None
 
 
 def test_priority_comes_before_the_deadline():
