@@ -34,7 +34,8 @@ import httpx
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One completion request. `extra` is merged into the JSON body (e.g. `user`, `priority`, `stop`)."""
+    """One completion request. `extra` is merged into the JSON body (e.g. `user`, `priority`, `stop`);
+    `headers` go with it (a gateway's tenant header, say)."""
 
     prompt: str
     max_tokens: int = 64
@@ -42,6 +43,7 @@ class Request:
     ignore_eos: bool = True
     chat: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict)
 
     def body(self, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "temperature": self.temperature,
@@ -211,7 +213,8 @@ class LoadGenerator:
         path = "/v1/chat/completions" if request.chat else "/v1/completions"
         result = RequestResult(index=index, sent_at=time.perf_counter())
         try:
-            async with self._client.stream("POST", path, json=request.body(self.model)) as resp:
+            async with self._client.stream("POST", path, json=request.body(self.model),
+                                           headers=dict(request.headers) or None) as resp:
                 result.status = resp.status_code
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode(errors="replace")

@@ -17,7 +17,8 @@ the mixed total at least TARGET_TOTAL x the best class alone (mixing costs the e
 each class at least TARGET_FAIR_SHARE x its fair share (no class pays for the others), and each
 short class's TTFT p99 mixed at most TARGET_SHORT_TTFT x alone (short requests do not wait
 behind long prefills). `--scheduling fcfs` runs the engine with the order before `fair` for a
-before/after comparison on one build.
+before/after comparison on one build. Each class is a tenant of the engine: its requests carry
+TENANT_HEADER, which the engine is told to read (`--tenant-header`), as behind a gateway.
 
 Sweep. The classes interleaved (bbh, gsm8k, humaneval, bbh, ...), closed loop at each concurrency
 of `--sweep`, `--sweep-waves` times as many requests as the concurrency. The knee is where more
@@ -58,6 +59,7 @@ from graft.engine.launcher import EngineProcess, launch_engine
 MIXED = "mixed"
 KNEE_GAIN = 0.10            # less than 10% more throughput per doubling of concurrency: past the knee
 SCRAPE_EVERY_S = 0.25
+TENANT_HEADER = "X-Graft-Tenant"  # each class's requests carry their class as the engine's tenant
 POOL_SIZE = 2048            # prompts loaded per class; a run that needs more sends them again
 FIGURES = ("output_tok_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
 # the isolation goals (`isolation_targets`): what mixing may cost the engine, each class against
@@ -120,10 +122,18 @@ def interleave(pools: Mapping[str, Pool], n: int) -> list[Request]:
     return [pools[names[i % len(names)]].take(1)[0] for i in range(n)]
 
 
+def tenant_flags(engine_args: list[str]) -> list[str]:
+    """The engine's flags with `--tenant-header TENANT_HEADER` unless they name one: each class is a
+    tenant, as a gateway in front of the engine would say."""
+    if any(a == "--tenant-header" or a.startswith("--tenant-header=") for a in engine_args):
+        return list(engine_args)
+    return [*engine_args, "--tenant-header", TENANT_HEADER]
+
+
 def load_requests(cfg: WorkloadConfig) -> dict[str, list[Request]]:
     """POOL_SIZE requests per class (the pool every pass on the engine takes its next ones from);
     BBH's round-robin over its first tasks, as many as it sends per pass (those `prefix_warmups` warms)."""
-    return {name: [Request(p.text, cfg.max_tokens)
+    return {name: [Request(p.text, cfg.max_tokens, headers={TENANT_HEADER: name})
                    for p in class_prompts(name, POOL_SIZE, cfg.data_dir, num_bbh_tasks=cfg.class_prompts["bbh"])]
             for name in WORKLOAD_CLASSES}
 
@@ -394,7 +404,7 @@ def run_workload_suite(cfg: WorkloadConfig, out: Path) -> dict[str, Any]:
                    "sweep": cfg.sweep, "sweep_waves": cfg.sweep_waves, "max_tokens": cfg.max_tokens,
                    "rounds": cfg.rounds, "dtype": cfg.dtype, "knee_gain": KNEE_GAIN,
                    "engine_args": cfg.engine_args}}
-    with engine(cfg.engine_args) as eng:
+    with engine(tenant_flags(cfg.engine_args)) as eng:
         passes, points = report.plain(asyncio.run(measure(eng.url, cfg, requests, eng.metrics_url)))
     result["isolation"] = {"passes": passes, **isolation_table(passes)}
     knee = find_knee([(p["concurrency"], p["summary"]["output_tok_s"]) for p in points])

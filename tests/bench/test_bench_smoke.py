@@ -32,6 +32,7 @@ class FakeOpenAI:
         self.in_flight = 0
         self.max_in_flight = 0
         self.bodies: list[dict] = []
+        self.headers: list[dict[str, str]] = []
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -46,6 +47,7 @@ class FakeOpenAI:
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         chat = "messages" in body
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
         if prompt == "fail":

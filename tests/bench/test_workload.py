@@ -15,8 +15,9 @@ from graft.bench.cli import main as bench_main
 from graft.bench.data import (bbh_tasks, class_prompts, gsm8k_prompts, humaneval_prompts, mixed_bbh_prompts,
                               require_workload_data)
 from graft.bench.loadgen import LoadGenerator, Request
-from graft.bench.workload import (MIXED, Pool, Stream, WorkloadConfig, engine_gauges, find_knee, gauge_stats,
-                                  interleave, isolation_table, prefix_warmups, run_streams, scraping, slowdown)
+from graft.bench.workload import (MIXED, TENANT_HEADER, Pool, Stream, WorkloadConfig, engine_gauges, find_knee,
+                                  gauge_stats, interleave, isolation_table, load_requests, prefix_warmups,
+                                  run_streams, scraping, slowdown, tenant_flags)
 from graft.engine.metrics import EngineMetrics
 from tests.bench import test_bench_smoke
 from tests.support import data_dir
@@ -254,6 +255,20 @@ def test_passes_on_one_engine_never_repeat_a_prompt_until_the_pool_is_spent():
     assert [r.prompt for r in interleave(pools, 5)] == ["a0", "b0", "a1", "b0", "a0"]
     with pytest.raises(ValueError):
         Pool([])
+
+
+async def test_each_class_is_a_tenant_of_the_engine(fake):
+    cfg = WorkloadConfig(class_prompts={"bbh": 2, "gsm8k": 1, "humaneval": 1}, class_concurrency=CLASS_CONCURRENCY,
+                         data_dir=str(data_dir()))
+    requests = load_requests(cfg)
+    assert {name: {r.headers[TENANT_HEADER] for r in reqs} for name, reqs in requests.items()} == \
+        {name: {name} for name in requests}
+    assert tenant_flags(["--dtype", "float32"]) == ["--dtype", "float32", "--tenant-header", TENANT_HEADER]
+    assert tenant_flags(["--tenant-header=X-Team"]) == ["--tenant-header=X-Team"]
+    async with LoadGenerator(fake.url) as gen:
+        first = requests["gsm8k"][0]
+        await gen.complete(Request(first.prompt, 2, headers=first.headers))
+    assert fake.headers[-1][TENANT_HEADER] == "gsm8k"
 
 
 async def test_every_stream_keeps_its_concurrency_until_every_class_has_its_count(fake):
